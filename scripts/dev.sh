@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the local virtualenv, then run one job:
+#   scripts/dev.sh test   ruff, ruff format --check, mypy, pytest
+#   scripts/dev.sh run    the main job (see README)
+# Idempotent: a second call reuses .venv and installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-test}"
+shift || true
+
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+    # Without a GPU this takes the CPU build (on our machines from local disk).
+    "$VPY" -m pip install -q torch==2.13.0
+fi
+if ! "$VPY" -c "import vllm, pytest, hypothesis, ruff, mypy, tqdm, matplotlib" 2>/dev/null; then
+    "$VPY" -m pip install -q -e ".[dev]"
+fi
+
+case "$job" in
+test)
+    "$VPY" -m ruff check .
+    "$VPY" -m ruff format --check .
+    "$VPY" -m mypy
+    "$VPY" -m pytest -q "$@"
+    ;;
+run)
+    "$VPY" benchmarks/kernels/benchmark_moe_permute_unpermute.py "$@"
+    ;;
+*)
+    echo "usage: scripts/dev.sh {test|run} [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,68 @@
+"""Micro-batch (ubatch) identity for dual-batch overlap (DBO).
+
+Under DBO each micro-batch runs on its own thread; everything that must not be
+shared between overlapping micro-batches (workspace, persistent resources) is
+looked up by the id of the ubatch whose thread is running.
+"""
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_state = threading.local()
+
+
+def dbo_current_ubatch_id() -> int:
+    """The running thread's ubatch id; 0 outside micro-batch overlap."""
+    return getattr(_state, "ubatch_id", 0)
+
+
+def dbo_enabled() -> bool:
+    """Whether the running thread executes inside a ubatch context."""
+    return getattr(_state, "ubatch_id", None) is not None
+
+
+@contextmanager
+def ubatch_context(ubatch_id: int) -> Iterator[None]:
+    """Run the body as micro-batch ``ubatch_id`` on the current thread."""
+    if ubatch_id < 0:
+        raise ValueError(f"ubatch_id must be >= 0, got {ubatch_id}")
+    previous = getattr(_state, "ubatch_id", None)
+    _state.ubatch_id = ubatch_id
+    try:
+        yield
+    finally:
+        _state.ubatch_id = previous
+
+
+def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:
+    """Run ``fns[i]`` as ubatch i, each on its own thread, concurrently.
+
+    Returns the results in order; the first exception raised by any ubatch
+    is re-raised here after all threads have finished.
+    """
+    results: list[T | None] = [None] * len(fns)
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            with ubatch_context(i):
+                results[i] = fns[i]()
+        except BaseException as e:  # re-raised on the caller's thread
+            errors[i] = e
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"ubatch-{i}")
+        for i in range(len(fns))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results  # type: ignore[return-value]
