@@ -29,7 +29,7 @@ test)
     "$VPY" -m pytest -q "$@"
     ;;
 run)
-    "$VPY" benchmarks/kernels/benchmark_moe_permute_unpermute.py "$@"
+    PYTHONPATH="$PWD" "$VPY" -m benchmarks.moe_memory_report "$@"
     ;;
 *)
     echo "usage: scripts/dev.sh {test|run} [args...]" >&2

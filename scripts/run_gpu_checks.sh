@@ -18,21 +18,30 @@ fi
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 
 declare -a names results
-step() {  # step NAME COMMAND...: run, log to $LOG/NAME.log, record the status
-    local name="$1"
-    shift
+step() {  # step NAME LOGFILE COMMAND...: run, append to LOGFILE, record the status
+    local name="$1" log="$2"
+    shift 2
     local start=$SECONDS
-    "$@" 2>&1 | tee "$LOG/$name.log"
+    echo "== $name" >>"$log"
+    "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     names+=("$name")
-    results+=("rc=$rc $((SECONDS - start))s $(grep -Eo '[0-9]+ (passed|failed|skipped)' "$LOG/$name.log" | tr '\n' ' ')")
+    results+=("rc=$rc $((SECONDS - start))s $(tail -n 3 "$log" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' | tr '\n' ' ')")
 }
 
-step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}"
-for bench in ${GPU_BENCHMARKS:-benchmarks/kernels/benchmark_*.py}; do
+# At most a handful of files come back from the device: one log for the
+# tests, one for all benchmarks, and a JSON per benchmark.
+step gpu-tests "$LOG/gpu_tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}"
+for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     [ -f "$bench" ] || continue
-    step "$(basename "$bench" .py)" python3 "$bench" --output-json "$LOG/$(basename "$bench" .py).json"
+    name="$(basename "$bench" .py)"
+    step "$name" "$LOG/benchmarks.log" python3 -m "benchmarks.kernels.$name" --output-json "$LOG/$name.json"
 done
+if [ -z "${SKIP_MEMORY_REPORT:-}" ]; then
+    step moe-memory-report "$LOG/benchmarks.log" python3 -m benchmarks.moe_memory_report \
+        --preset qwen3.6-35b-a3b --tokens 8192 1024 1 --intermediate-size 16 \
+        --output-json "$LOG/moe_memory.json" --plot "$LOG/moe_memory.png"
+fi
 
 echo
 echo "== summary =="

@@ -1,0 +1,60 @@
+"""Timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_graph_us(step: Callable[[int], object], iters: int, repeats: int = 5) -> float:
+    """Per-iteration time of ``iters`` steps captured in one CUDA graph.
+
+    Warm-up and capture run on the same side stream, so stream-scoped
+    resources created during warm-up are the ones the graph uses.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(iters):
+            step(i)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(iters):
+            step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def time_cpu_us(step: Callable[[int], object], iters: int) -> float:
+    step(0)
+    start = time.perf_counter()
+    for i in range(iters):
+        step(i)
+    return (time.perf_counter() - start) * 1e6 / iters
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written, timed outside graphs
+    (graph replay of one huge copy reads low on this machine)."""
+    if device.type != "cuda":
+        return float("nan")
+    import triton.testing
+
+    src = torch.empty(2**30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e9

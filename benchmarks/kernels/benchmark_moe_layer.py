@@ -1,0 +1,186 @@
+"""Whole MoE layer per experts backend, against its grouped GEMMs alone.
+
+For each backend and token count: the modular kernel's forward (permute,
+GEMM1, activation, GEMM2, unpermute; routing given) timed under CUDA-graph
+replay, its TFLOP/s, and the share of time outside the GEMMs, taken as
+1 - (the same two grouped GEMMs alone on the same permuted data) / (layer).
+The GEMMs alone are ``torch._grouped_mm`` (bf16) or ``_scaled_grouped_mm``
+(fp8). Humming runs when it is installed, compared with the bf16 GEMMs.
+
+    python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.kernels.bench_utils import time_cpu_us, time_graph_us
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+    QuantScheme,
+)
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import grouped_mm
+from vllm.model_executor.layers.fused_moe.layer import make_experts
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEModularKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import moe_permute
+from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    per_channel_quant_fp8,
+    per_token_quant_fp8,
+)
+from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
+
+BACKENDS = {
+    "grouped_mm": QuantScheme.UNQUANTIZED,
+    "cutlass": QuantScheme.FP8_PER_TOKEN,
+    "humming": QuantScheme.W4A16_UINT4,
+}
+
+
+@dataclass
+class Row:
+    backend: str
+    tokens: int
+    layer_us: float
+    tflops: float
+    gemm_us: float
+    outside_gemm_share: float | None
+
+
+def humming_available() -> bool:
+    try:
+        import humming  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
+    cuda = device.type == "cuda"
+    e, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
+    w13 = (torch.randn(e, 2 * i, k, device=device) / k**0.5).to(moe.in_dtype)
+    w2 = (torch.randn(e, k, i, device=device) / i**0.5).to(moe.in_dtype)
+    experts = make_experts(moe, w13, w2, backend)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+    hidden = torch.randn(tokens, k, device=device, dtype=moe.in_dtype)
+    iters = 20 if tokens < 1024 else 5
+    routings = [
+        fused_topk(
+            hidden,
+            torch.randn(tokens, moe.num_experts, device=device),
+            moe.experts_per_token,
+            True,
+        )
+        for _ in range(iters)
+    ]
+
+    def layer_step(it: int) -> None:
+        kernel.forward(hidden, *routings[it])
+
+    # The GEMMs alone, on permuted data of the same routing.
+    a_perm, _, offsets, _, _ = moe_permute(
+        hidden, None, routings[0][1], moe.num_experts
+    )
+    act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
+    if backend == "cutlass":
+        a_q, a_s = per_token_quant_fp8(a_perm)
+        act_q, act_s = per_token_quant_fp8(act)
+        w13_q, w13_s = per_channel_quant_fp8(w13)
+        w2_q, w2_s = per_channel_quant_fp8(w2)
+
+        def gemm_step(it: int) -> None:
+            grouped_mm(a_q, w13_q, offsets, a_s.view(-1), w13_s)
+            grouped_mm(act_q, w2_q, offsets, act_s.view(-1), w2_s)
+    else:
+
+        def gemm_step(it: int) -> None:
+            grouped_mm(a_perm, w13, offsets)
+            grouped_mm(act, w2, offsets)
+
+    timer = (
+        (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))
+    )
+    layer_us = timer(layer_step)
+    gemm_us = timer(gemm_step)
+    flops = 6 * tokens * moe.experts_per_token * k * i
+    share = None if backend == "humming" else max(0.0, 1 - gemm_us / layer_us)
+    return Row(
+        backend, tokens, layer_us, flops / (layer_us * 1e-6) / 1e12, gemm_us, share
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None)
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--num-experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--intermediate-size", type=int, default=768)
+    parser.add_argument("--output-json", type=Path, default=None)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    backends = args.backends or [
+        b for b in BACKENDS if b != "humming" or humming_available()
+    ]
+    tokens = args.tokens or ([1, 64, 1024, 8192] if cuda else [1, 16])
+    dims = (args.num_experts, args.topk, args.hidden_size, args.intermediate_size)
+    if not cuda:
+        dims = (16, 4, 128, 64)  # the reference loops at small sizes
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    reset_workspace_manager()
+    init_workspace_manager(device)
+    rows: list[Row] = []
+    for backend in tqdm(backends, desc="backends"):
+        moe = FusedMoEConfig(
+            num_experts=dims[0],
+            experts_per_token=dims[1],
+            hidden_size=dims[2],
+            intermediate_size=dims[3],
+            quant_config=FusedMoEQuantConfig(BACKENDS[backend]),
+        )
+        rows.extend(bench(backend, t, moe, device) for t in tokens)
+    reset_workspace_manager()
+
+    name = torch.cuda.get_device_name() if cuda else "CPU (reference loops)"
+    print(
+        f"\ndevice: {name}; experts {dims[0]}, top-{dims[1]}, hidden {dims[2]}, "
+        f"intermediate {dims[3]}"
+    )
+    head = (
+        f"{'backend':>10} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} | "
+        f"{'GEMMs alone us':>14} {'outside GEMMs':>13}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        share = (
+            "-"
+            if r.outside_gemm_share is None
+            else f"{100 * r.outside_gemm_share:.0f}%"
+        )
+        print(
+            f"{r.backend:>10} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} | "
+            f"{r.gemm_us:>14.1f} {share:>13}"
+        )
+    if args.output_json:
+        args.output_json.write_text(
+            json.dumps({"device": name, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Experts backends through the modular kernel, and the FusedMoE layer.
+
+Every backend is compared with a dense float64 reference on its own
+dequantized weights. CPU runs the reference loops at small sizes; CUDA runs
+``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` at model sizes.
+"""
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from tests.kernels.moe.moe_reference import torch_moe_reference
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+    QuantScheme,
+)
+from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    GroupedMMExperts,
+)
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE, make_experts
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEModularKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.v1.worker.ubatching import run_ubatches
+from vllm.v1.worker.workspace import (
+    init_workspace_manager,
+    reset_workspace_manager,
+    use_workspace_lane,
+)
+
+CUDA = torch.cuda.is_available()
+SCHEMES = {
+    "grouped_mm": QuantScheme.UNQUANTIZED,
+    "cutlass": QuantScheme.FP8_PER_TOKEN,
+}
+TOLERANCE = {"grouped_mm": 2e-2, "cutlass": 0.1}  # relative error; fp8 quantizes twice
+
+
+def moe_config(
+    device, ep_size=1, scheme=QuantScheme.UNQUANTIZED, **kw
+) -> FusedMoEConfig:
+    dims: dict[str, Any] = (
+        {"num_experts": 32, "hidden_size": 2048, "intermediate_size": 768}
+        if torch.device(device).type == "cuda"
+        else {"num_experts": 16, "hidden_size": 128, "intermediate_size": 64}
+    )
+    dims.update(kw)
+    return FusedMoEConfig(
+        experts_per_token=dims.pop("experts_per_token", 8),
+        ep_size=ep_size,
+        ep_rank=ep_size // 2,
+        quant_config=FusedMoEQuantConfig(scheme),
+        **dims,
+    )
+
+
+def random_weights(moe: FusedMoEConfig, device):
+    el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
+    w13 = (torch.randn(el, 2 * i, k, device=device) / k**0.5).to(moe.in_dtype)
+    w2 = (torch.randn(el, k, i, device=device) / i**0.5).to(moe.in_dtype)
+    return w13, w2
+
+
+def dequantized(experts, w13, w2):
+    if isinstance(experts, GroupedMMExperts):
+        return w13, w2
+    return experts.dequantized_weights()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_backend(backend, tokens, topk, ep_size, device):
+    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=topk)
+    w13, w2 = random_weights(moe, device)
+    experts = make_experts(moe, w13, w2, backend)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+    hidden = torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    logits = torch.randn(tokens, moe.num_experts, device=device)
+    topk_weights, topk_ids = fused_topk(hidden, logits, topk, renormalize=True)
+    expert_map = moe.make_expert_map(device)
+    out = kernel.forward(hidden, topk_weights, topk_ids, expert_map)
+    dq13, dq2 = dequantized(experts, w13, w2)
+    ref = torch_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, expert_map)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    assert not bool(out.isnan().any())
+    if ep_size > 1 and bool((ref == 0).all()):
+        assert bool((out == 0).all())  # no local route at all
+        return
+    assert relative_error(out, ref) < TOLERANCE[backend]
+
+
+@pytest.mark.parametrize("backend", list(SCHEMES))
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("topk", [1, 2, 8])
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_backend_cpu(workspace_init, backend, tokens, topk, ep_size):
+    if CUDA:
+        pytest.skip("CPU path")
+    torch.manual_seed(tokens * 10 + topk + ep_size)
+    check_backend(backend, tokens, topk, ep_size, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(SCHEMES))
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1024])
+@pytest.mark.parametrize("topk", [1, 2, 8])
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_backend_gpu(workspace_init, backend, tokens, topk, ep_size):
+    torch.manual_seed(tokens * 10 + topk + ep_size)
+    check_backend(backend, tokens, topk, ep_size, "cuda")
+
+
+def test_swiglu_activation(workspace_init, device):
+    torch.manual_seed(0)
+    moe = moe_config(device, activation="swiglu", experts_per_token=2)
+    w13, w2 = random_weights(moe, device)
+    kernel = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(), GroupedMMExperts(moe, w13, w2)
+    )
+    hidden = torch.randn(9, moe.hidden_size, device=device, dtype=moe.in_dtype) * 4
+    topk_weights, topk_ids = fused_topk(
+        hidden, torch.randn(9, moe.num_experts, device=device), 2, True
+    )
+    out = kernel.forward(hidden, topk_weights, topk_ids)
+    ref = torch_moe_reference(hidden, w13, w2, topk_weights, topk_ids, None, "swiglu")
+    assert relative_error(out, ref) < 2e-2
+
+
+def test_fused_topk(device):
+    torch.manual_seed(1)
+    logits = torch.randn(5, 16, device=device)
+    weights, ids = fused_topk(torch.empty(5, 8, device=device), logits, 3, True)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5, device=device))
+    probs = logits.softmax(-1)
+    assert torch.equal(ids.long(), probs.topk(3).indices)
+    raw, _ = fused_topk(torch.empty(5, 8, device=device), logits, 3, False)
+    torch.testing.assert_close(raw, probs.topk(3).values)
+    with pytest.raises(ValueError, match="topk"):
+        fused_topk(torch.empty(5, 8, device=device), logits, 17, True)
+
+
+# -- layers on the shared workspace ----------------------------------------------
+
+
+_layer_ids = iter(range(10**9))
+
+
+def make_layer(moe: FusedMoEConfig, device, backend="auto", seed=0) -> FusedMoE:
+    torch.manual_seed(seed)
+    layer = FusedMoE(
+        moe,
+        prefix=f"test.layers.{next(_layer_ids)}.mlp",
+        backend=backend,
+        device=device,
+    )
+    load_random_weights(layer, seed)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def load_random_weights(layer: FusedMoE, seed: int) -> None:
+    moe = layer.moe
+    gen = torch.Generator().manual_seed(seed)
+    k, i = moe.hidden_size, moe.intermediate_size
+    for e in range(moe.num_experts):
+        for shard, shape, fan_in in (
+            ("w1", (i, k), k),
+            ("w3", (i, k), k),
+            ("w2", (k, i), i),
+        ):
+            w = torch.randn(shape, generator=gen) / fan_in**0.5
+            layer.weight_loader(w.to(layer.device), shard, e)
+
+
+def test_eight_layers_four_slots_four_scratches(device):
+    reset_workspace_manager()
+    manager = init_workspace_manager(device, num_ubatches=2, num_lanes=2)
+    try:
+        moe = moe_config(device)
+        layers = [make_layer(moe, device, seed=i) for i in range(8)]
+        hidden = torch.randn(16, moe.hidden_size, device=device, dtype=moe.in_dtype)
+        logits = torch.randn(16, moe.num_experts, device=device)
+
+        def run_all(lane: int) -> torch.Tensor:
+            with use_workspace_lane(lane):
+                x = hidden
+                for layer in layers:
+                    x = layer(x, logits)
+                return x
+
+        outs = [
+            o
+            for lane in (0, 1)
+            for o in run_ubatches([functools.partial(run_all, lane)] * 2)
+        ]
+        for o in outs[1:]:
+            torch.testing.assert_close(o, outs[0], rtol=0, atol=0)  # bit-reproducible
+        report = manager.memory_report()
+        assert len(report.resources_of_type("MoEPermuteScratch")) == 4
+        assert all(
+            len([r for r in s.resources if r.type_name == "MoEPermuteScratch"]) == 1
+            for s in report.slots
+        )
+        # Nothing per layer: no tensor of a layer or its experts is index metadata.
+        for layer in layers:
+            assert layer.kernel is not None
+            tensors = [
+                v
+                for v in vars(layer.kernel.experts).values()
+                if isinstance(v, torch.Tensor)
+            ]
+            assert all(t.is_floating_point() for t in tensors)
+    finally:
+        reset_workspace_manager()
+
+
+@pytest.mark.parametrize("backend", list(SCHEMES))
+def test_reload_after_lock(workspace_init, device, backend):
+    moe = moe_config(device, scheme=SCHEMES[backend], experts_per_token=2)
+    layer = make_layer(moe, device, backend, seed=1)
+    hidden = torch.randn(12, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    logits = torch.randn(12, moe.num_experts, device=device)
+    before = layer(hidden, logits)
+    bytes_before = workspace_init.memory_report().total_bytes
+    workspace_init.lock()
+    load_random_weights(layer, seed=2)
+    layer.process_weights_after_loading()  # rebuilds the experts
+    after = layer(hidden, logits)
+    assert workspace_init.memory_report().total_bytes == bytes_before
+    assert relative_error(after, before.double().cpu()) > 0.1  # new weights in use
+    fresh = make_layer(moe, device, backend, seed=2)
+    torch.testing.assert_close(after, fresh(hidden, logits), rtol=0, atol=0)
+
+
+class TwoLayerBlock(torch.nn.Module):
+    def __init__(self, moe: FusedMoEConfig, device):
+        super().__init__()
+        self.gate = torch.nn.Linear(moe.hidden_size, moe.num_experts, device=device)
+        self.first = make_layer(moe, device, seed=3)
+        self.second = make_layer(moe, device, seed=4)
+
+    def forward(self, x):
+        x = x + self.first(x, self.gate(x.float()))
+        return x + self.second(x, self.gate(x.float()))
+
+
+def test_compile_fullgraph_matches_eager(workspace_init, device):
+    torch._dynamo.reset()
+    moe = moe_config(device, experts_per_token=4)
+    block = TwoLayerBlock(moe, device)
+    x = torch.randn(10, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    torch.set_grad_enabled(False)  # inference, as in a runner
+    expected = block(x)
+    compiled = torch.compile(
+        block, fullgraph=True, backend="inductor" if CUDA else "aot_eager"
+    )
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-2, atol=1e-2)
+    with use_workspace_lane(0):  # a second call runs without recompiling
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-2, atol=1e-2)
+    torch.set_grad_enabled(True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(SCHEMES))
+def test_cuda_graph_replay_with_new_routing(workspace_init, backend):
+    moe = moe_config("cuda", scheme=SCHEMES[backend])
+    layer = make_layer(moe, "cuda", backend, seed=5)
+    hidden = torch.randn(64, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
+    logits = torch.randn(64, moe.num_experts, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(hidden, logits)
+    stream.synchronize()
+    workspace_init.lock()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer(hidden, logits)
+    for _ in range(3):
+        hidden.copy_(torch.randn_like(hidden))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, layer(hidden, logits), rtol=0, atol=0)
+
+
+# -- bad configs -------------------------------------------------------------------
+
+
+def test_bad_configs(device):
+    with pytest.raises(ValueError, match="experts_per_token"):
+        moe_config(device, experts_per_token=0)
+    with pytest.raises(ValueError, match="ep_size"):
+        moe_config(device, ep_size=3)
+    with pytest.raises(ValueError, match="in_dtype"):
+        FusedMoEConfig(8, 2, 128, 64, in_dtype=torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        FusedMoEConfig(8, 2, 128, 64, activation="gelu")
+    moe = moe_config(device)
+    w13, w2 = random_weights(moe, device)
+    with pytest.raises(ValueError, match="quant_config"):
+        CutlassExpertsFp8.from_unquantized(moe, w13, w2)
+    with pytest.raises(ValueError, match="w13"):
+        GroupedMMExperts(moe, w13.float(), w2)
+    fp8 = moe_config(device, scheme=QuantScheme.FP8_PER_TOKEN, hidden_size=136)
+    w13, w2 = random_weights(fp8, device)
+    with pytest.raises(ValueError, match="hidden_size"):
+        CutlassExpertsFp8.from_unquantized(fp8, w13, w2)
+    with pytest.raises(ValueError, match="backend"):
+        FusedMoE(moe, prefix="bad.backend", backend="triton", device=device)

@@ -1,0 +1,145 @@
+"""FP8 w8a8 experts on ``torch._scaled_grouped_mm`` (CUTLASS inside on Hopper).
+
+Weights: fp8 e4m3 with one scale per output channel. Activations: quantized
+per token before the permute (M rows instead of M x topk), then the fp8 rows
+and their scales are permuted into workspace2; the activation output is
+re-quantized per row into workspace13.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    _round_up,
+    grouped_mm,
+)
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    Shape,
+    carve,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    get_moe_permute_scratch,
+    moe_permute,
+    moe_unpermute,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    FP8_DTYPE,
+    per_channel_quant_fp8,
+    per_token_quant_fp8,
+)
+
+
+class CutlassExpertsFp8(FusedMoEExperts):
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> None:
+        super().__init__(moe)
+        if moe.quant_config.scheme is not QuantScheme.FP8_PER_TOKEN:
+            raise ValueError(
+                f"quant_config: CutlassExpertsFp8 runs "
+                f"{QuantScheme.FP8_PER_TOKEN.value}, got "
+                f"{moe.quant_config.scheme.value}"
+            )
+        if moe.hidden_size % 16 or moe.intermediate_size % 16:
+            raise ValueError(
+                "hidden_size/intermediate_size: fp8 grouped GEMMs need multiples of "
+                f"16, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        el = moe.num_local_experts
+        for name, t, shape, dtype in (
+            ("w13", w13, (el, moe.w13_rows, moe.hidden_size), FP8_DTYPE),
+            ("w13_scale", w13_scale, (el, moe.w13_rows), torch.float32),
+            ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), FP8_DTYPE),
+            ("w2_scale", w2_scale, (el, moe.hidden_size), torch.float32),
+        ):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
+        self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
+        self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
+
+    @classmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> CutlassExpertsFp8:
+        w13_q, w13_scale = per_channel_quant_fp8(w13)
+        w2_q, w2_scale = per_channel_quant_fp8(w2)
+        return cls(moe, w13_q, w13_scale, w2_q, w2_scale)
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self.w13.float() * self.w13_scale[..., None],
+            self.w2.float() * self.w2_scale[..., None],
+        )
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        rows = M * topk
+        # workspace13: the activation output in fp8, then its row scales.
+        workspace13 = _round_up(rows * (N // 2)) + rows * 4
+        workspace2 = rows * K  # permuted fp8 activations
+        return (workspace13,), (workspace2,), (M, K)
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows, inter = topk_ids.numel(), moe.intermediate_size
+        out_dtype = output.dtype
+        scratch = get_moe_permute_scratch(
+            num_experts=moe.num_experts,
+            num_local_experts=moe.num_local_experts,
+            device=hidden_states.device,
+        )
+        a_q, a_scale = per_token_quant_fp8(hidden_states)
+        a_perm = carve(workspace2, (rows, moe.hidden_size), FP8_DTYPE)
+        _, a_perm_scale, offsets, inv, _ = moe_permute(
+            a_q,
+            a_scale,
+            topk_ids,
+            moe.num_experts,
+            moe.num_local_experts,
+            expert_map,
+            permuted_hidden_states=a_perm,
+            scratch=scratch,
+        )
+        assert a_perm_scale is not None
+        gate_up = grouped_mm(
+            a_perm, self.w13, offsets, a_perm_scale.view(-1), self.w13_scale, out_dtype
+        )
+        act = torch.empty(rows, inter, dtype=out_dtype, device=output.device)
+        apply_moe_activation(moe.activation, act, gate_up)
+        act_q, act_scale = per_token_quant_fp8(act)
+        act_q_ws = carve(workspace13, (rows, inter), FP8_DTYPE).copy_(act_q)
+        act_scale_ws = carve(
+            workspace13, (rows,), torch.float32, _round_up(rows * inter)
+        ).copy_(act_scale.view(-1))
+        down = grouped_mm(
+            act_q_ws, self.w2, offsets, act_scale_ws, self.w2_scale, out_dtype
+        )
+        moe_unpermute(output, down, topk_weights, inv, offsets)

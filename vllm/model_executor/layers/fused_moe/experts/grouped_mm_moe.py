@@ -1,0 +1,156 @@
+"""Unquantized experts on ``torch._grouped_mm`` (CUDA) or a reference loop (CPU).
+
+The baseline backend and the CPU path. Permuted activations and the
+activation output live in the caller's workspaces; the GEMM outputs are
+allocated by torch (its grouped GEMMs have no ``out=`` variant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    Shape,
+    carve,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    get_moe_permute_scratch,
+    moe_permute,
+    moe_unpermute,
+)
+
+ALIGNMENT = 256  # byte alignment of the second view inside a workspace
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    scale_a: torch.Tensor | None = None,
+    scale_w: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Rows of expert e (``offsets[e]:offsets[e+1]``) times ``w[e]^T``.
+
+    ``a`` [R, K], ``w`` [E, N, K]; returns [R, N]. Rows at or past
+    ``offsets[-1]`` are left unspecified. With scales (fp8), ``scale_a`` [R]
+    per row and ``scale_w`` [E, N] per output channel.
+    """
+    if a.is_cuda:
+        offs = expert_first_token_offset[1:].to(torch.int32)
+        if scale_a is None:
+            return torch._grouped_mm(
+                a, w.transpose(1, 2), offs=offs, out_dtype=out_dtype
+            )
+        assert scale_w is not None
+        return torch._scaled_grouped_mm(
+            a,
+            w.transpose(1, 2),
+            scale_a,
+            scale_w,
+            offs=offs,
+            out_dtype=out_dtype,
+        )
+    # CPU reference: one matmul per expert in fp32 (host sync is fine here).
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
+    bounds = expert_first_token_offset.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        rows, weight = a[lo:hi].float(), w[e].float()
+        if scale_a is not None and scale_w is not None:
+            rows = rows * scale_a[lo:hi, None]
+            weight = weight * scale_w[e][:, None]
+        out[lo:hi] = (rows @ weight.t()).to(out_dtype)
+    return out
+
+
+class GroupedMMExperts(FusedMoEExperts):
+    """bf16/fp16 experts: permute -> GEMM1 -> activation -> GEMM2 -> unpermute."""
+
+    def __init__(
+        self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> None:
+        super().__init__(moe)
+        if moe.quant_config.scheme is not QuantScheme.UNQUANTIZED:
+            raise ValueError(
+                f"quant_config: GroupedMMExperts runs unquantized weights, got "
+                f"{moe.quant_config.scheme.value}"
+            )
+        expected13 = (moe.num_local_experts, moe.w13_rows, moe.hidden_size)
+        expected2 = (moe.num_local_experts, moe.hidden_size, moe.intermediate_size)
+        if tuple(w13.shape) != expected13 or w13.dtype != moe.in_dtype:
+            raise ValueError(
+                f"w13: expected {expected13} {moe.in_dtype}, got "
+                f"{tuple(w13.shape)} {w13.dtype}"
+            )
+        if tuple(w2.shape) != expected2 or w2.dtype != moe.in_dtype:
+            raise ValueError(
+                f"w2: expected {expected2} {moe.in_dtype}, got "
+                f"{tuple(w2.shape)} {w2.dtype}"
+            )
+        if w13.is_cuda and (moe.hidden_size % 8 or moe.intermediate_size % 8):
+            raise ValueError(
+                "hidden_size/intermediate_size: torch._grouped_mm needs multiples "
+                f"of 8, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        self.w13 = w13.contiguous()
+        self.w2 = w2.contiguous()
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        itemsize = self.moe.in_dtype.itemsize
+        rows = M * topk
+        workspace13 = rows * K * itemsize  # permuted activations
+        workspace2 = rows * (N // 2) * itemsize  # activation output
+        return (workspace13,), (workspace2,), (M, K)
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows, dtype = topk_ids.numel(), hidden_states.dtype
+        scratch = get_moe_permute_scratch(
+            num_experts=moe.num_experts,
+            num_local_experts=moe.num_local_experts,
+            device=hidden_states.device,
+        )
+        a_perm = carve(workspace13, (rows, moe.hidden_size), dtype)
+        _, _, offsets, inv, _ = moe_permute(
+            hidden_states,
+            None,
+            topk_ids,
+            moe.num_experts,
+            moe.num_local_experts,
+            expert_map,
+            permuted_hidden_states=a_perm,
+            scratch=scratch,
+        )
+        gate_up = grouped_mm(a_perm, self.w13, offsets, out_dtype=dtype)
+        act = carve(workspace2, (rows, moe.intermediate_size), dtype)
+        apply_moe_activation(moe.activation, act, gate_up)
+        down = grouped_mm(act, self.w2, offsets, out_dtype=dtype)
+        moe_unpermute(output, down, topk_weights, inv, offsets)

@@ -1,0 +1,210 @@
+"""``FusedMoE``: an MoE layer whose forward runs as an opaque runtime op.
+
+``forward`` calls ``torch.ops.vllm.moe_forward(hidden, logits, layer_name)``;
+under ``torch.compile`` that op is a leaf with a fake implementation, so every
+workspace, scratch and lock lookup inside the experts happens at execution
+time, in whichever slot and stream the call runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    GroupedMMExperts,
+)
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    FusedMoEModularKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.routing import fused_topk
+
+BACKENDS = ("auto", "grouped_mm", "cutlass", "humming")
+
+_layers: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
+
+
+def make_experts(
+    moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto"
+) -> FusedMoEExperts:
+    """Prepare experts for ``moe.quant_config`` from full-precision weights."""
+    scheme = moe.quant_config.scheme
+    if backend == "auto":
+        backend = {
+            QuantScheme.UNQUANTIZED: "grouped_mm",
+            QuantScheme.FP8_PER_TOKEN: "cutlass",
+        }.get(scheme, "humming")
+    if backend == "grouped_mm":
+        return GroupedMMExperts(moe, w13, w2)
+    if backend == "cutlass":
+        return CutlassExpertsFp8.from_unquantized(moe, w13, w2)
+    if backend == "humming":
+        from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
+            HummingGroupedExperts,
+        )
+
+        return HummingGroupedExperts.from_unquantized(moe, w13, w2)
+    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one decoder layer (one expert-parallel rank)."""
+
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        *,
+        prefix: str,
+        renormalize: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if prefix in _layers:
+            raise ValueError(f"prefix: a FusedMoE layer named {prefix!r} exists")
+        self.moe = moe
+        self.layer_name = prefix
+        self.renormalize = renormalize
+        self.backend = backend
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cpu")
+        )
+        self.w13_weight: nn.Parameter | None = None
+        self.w2_weight: nn.Parameter | None = None
+        self._create_weights()
+        self.register_buffer("expert_map", moe.make_expert_map(self.device))
+        self.expert_map: torch.Tensor | None
+        self.kernel: FusedMoEModularKernel | None = None
+        _layers[prefix] = self
+
+    def _create_weights(self) -> None:
+        moe = self.moe
+        el = moe.num_local_experts
+        self.w13_weight = nn.Parameter(
+            torch.empty(
+                el,
+                moe.w13_rows,
+                moe.hidden_size,
+                dtype=moe.in_dtype,
+                device=self.device,
+            ),
+            requires_grad=False,
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(
+                el,
+                moe.hidden_size,
+                moe.intermediate_size,
+                dtype=moe.in_dtype,
+                device=self.device,
+            ),
+            requires_grad=False,
+        )
+
+    def weight_loader(
+        self, loaded_weight: torch.Tensor, shard_id: str, expert_id: int
+    ) -> None:
+        """Load one shard of one expert (global id): w1 (gate), w3 (up) or w2.
+
+        Weights of experts that are not local to this rank are skipped. Also
+        used to reload weights after ``process_weights_after_loading``.
+        """
+        moe = self.moe
+        if not 0 <= expert_id < moe.num_experts:
+            raise ValueError(
+                f"expert_id: expected 0..{moe.num_experts - 1}, got {expert_id}"
+            )
+        local = expert_id - moe.ep_rank * moe.num_local_experts
+        if not 0 <= local < moe.num_local_experts:
+            return
+        if self.w13_weight is None or self.w2_weight is None:
+            self._create_weights()  # reload after the prepared weights replaced them
+        assert self.w13_weight is not None and self.w2_weight is not None
+        inter, hidden = moe.intermediate_size, moe.hidden_size
+        targets = {
+            "w1": (self.w13_weight.data[local, :inter], (inter, hidden)),
+            "w3": (self.w13_weight.data[local, inter:], (inter, hidden)),
+            "w2": (self.w2_weight.data[local], (hidden, inter)),
+        }
+        if shard_id not in targets:
+            raise ValueError(f"shard_id: expected 'w1', 'w2' or 'w3', got {shard_id!r}")
+        target, shape = targets[shard_id]
+        if tuple(loaded_weight.shape) != shape:
+            raise ValueError(
+                f"loaded_weight: expected {shape} for {shard_id}, got "
+                f"{tuple(loaded_weight.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize/repack into the backend's experts.
+
+        Attaches no workspace, scratch or lock tensor to the layer or its
+        experts; quantized backends drop the full-precision weights.
+        """
+        if self.w13_weight is None or self.w2_weight is None:
+            raise RuntimeError(f"{self.layer_name}: no weights loaded")
+        experts = make_experts(
+            self.moe, self.w13_weight.data, self.w2_weight.data, self.backend
+        )
+        self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+        if not isinstance(experts, GroupedMMExperts):
+            self.w13_weight = self.w2_weight = None
+
+    def forward(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.vllm.moe_forward(hidden_states, router_logits, self.layer_name)
+
+    def forward_impl(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError(
+                f"{self.layer_name}: call process_weights_after_loading() first"
+            )
+        topk_weights, topk_ids = fused_topk(
+            hidden_states, router_logits, self.moe.experts_per_token, self.renormalize
+        )
+        return self.kernel.forward(
+            hidden_states, topk_weights, topk_ids, self.expert_map
+        )
+
+
+def get_moe_layer(layer_name: str) -> FusedMoE:
+    try:
+        return _layers[layer_name]
+    except KeyError:
+        raise KeyError(f"no FusedMoE layer named {layer_name!r}") from None
+
+
+# -- runtime op --------------------------------------------------------------
+
+_lib = torch.library.Library("vllm", "FRAGMENT")
+_lib.define(
+    "moe_forward(Tensor hidden_states, Tensor router_logits, str layer_name) -> Tensor"
+)
+
+
+def _moe_forward(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return get_moe_layer(layer_name).forward_impl(hidden_states, router_logits)
+
+
+def _moe_forward_fake(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+_lib.impl("moe_forward", _moe_forward, "CompositeExplicitAutograd")
+torch.library.register_fake("vllm::moe_forward", _moe_forward_fake, lib=_lib)

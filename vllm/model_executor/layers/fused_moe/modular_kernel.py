@@ -1,0 +1,170 @@
+"""The modular MoE kernel: prepare -> experts.apply -> finalize.
+
+``FusedMoEPrepareAndFinalize`` moves activations to the experts (here: a
+single process, optionally quantizing them first) and back. ``FusedMoEExperts``
+computes the experts on the routed tokens. The modular kernel takes both of
+the experts' workspaces from the workspace manager in one
+``get_simultaneous`` call, so every MoE layer of a slot shares them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    per_token_group_quant_fp8,
+)
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    is_workspace_manager_initialized,
+)
+
+Shape = tuple[int, ...]
+
+
+def carve(
+    workspace: torch.Tensor, shape: Shape, dtype: torch.dtype, offset: int = 0
+) -> torch.Tensor:
+    """A ``shape``/``dtype`` view of a flat byte workspace, ``offset`` bytes in."""
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    if offset % dtype.itemsize or offset + nbytes > workspace.numel():
+        raise ValueError(
+            f"workspace: {workspace.numel()} bytes cannot hold {shape} {dtype} at "
+            f"byte offset {offset}"
+        )
+    return workspace[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class FusedMoEPrepareAndFinalize(ABC):
+    """Moves activations to the experts and the experts' output back."""
+
+    @abstractmethod
+    def prepare(
+        self, a1: torch.Tensor, quant_config: FusedMoEQuantConfig
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the activations the experts read and their scales (or None)."""
+
+    @abstractmethod
+    def finalize(self, fused_out: torch.Tensor) -> torch.Tensor:
+        """Returns the layer output from the experts' reduced output."""
+
+
+class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalize):
+    """Single process: no dispatch or combine.
+
+    With a prequantized scheme (block FP8) the activations are quantized here,
+    before dispatch, in groups of 128 along the hidden dimension.
+    """
+
+    def prepare(
+        self, a1: torch.Tensor, quant_config: FusedMoEQuantConfig
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if quant_config.prequantized:
+            return per_token_group_quant_fp8(a1, quant_config.block_size)
+        return a1, None
+
+    def finalize(self, fused_out: torch.Tensor) -> torch.Tensor:
+        return fused_out
+
+
+class FusedMoEExperts(ABC):
+    """Experts of one MoE layer, holding that layer's prepared weights only.
+
+    Scratch and lock buffers come from the workspace manager at execution
+    time (inside :meth:`apply`), never from the object, so an experts object
+    can be rebuilt (weight reload) after the manager is locked.
+    """
+
+    def __init__(self, moe: FusedMoEConfig) -> None:
+        self.moe = moe
+
+    @abstractmethod
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        """(workspace13, workspace2, output) shapes in ``workspace_dtype``
+        elements (output in the activation dtype) for M tokens, w13 with N
+        rows and hidden size K."""
+
+    def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8  # byte workspaces: experts carve typed views
+
+    @abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        """Write ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` into ``output``."""
+
+
+class FusedMoEModularKernel:
+    def __init__(
+        self,
+        prepare_finalize: FusedMoEPrepareAndFinalize,
+        experts: FusedMoEExperts,
+    ) -> None:
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        moe = self.experts.moe
+        a1q, a1q_scale = self.prepare_finalize.prepare(hidden_states, moe.quant_config)
+        ws13_shape, ws2_shape, out_shape = self.experts.workspace_shapes(
+            hidden_states.shape[0],
+            moe.w13_rows,
+            moe.hidden_size,
+            topk_ids.shape[1],
+            moe.num_experts,
+            moe.num_local_experts,
+        )
+        ws_dtype = self.experts.workspace_dtype(hidden_states.dtype)
+        if is_workspace_manager_initialized():
+            workspace13, workspace2 = current_workspace_manager().get_simultaneous(
+                (ws13_shape, ws_dtype), (ws2_shape, ws_dtype)
+            )
+        else:
+            device = hidden_states.device
+            workspace13 = torch.empty(ws13_shape, dtype=ws_dtype, device=device)
+            workspace2 = torch.empty(ws2_shape, dtype=ws_dtype, device=device)
+        # The output outlives the workspace views (the next layer reuses them).
+        output = torch.empty(
+            out_shape, dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        self.experts.apply(
+            output,
+            a1q,
+            a1q_scale,
+            topk_weights,
+            topk_ids,
+            expert_map,
+            workspace13,
+            workspace2,
+        )
+        return self.prepare_finalize.finalize(output)
