@@ -1,0 +1,172 @@
+"""Marlin-style W4A16: weight preparation, lock workspaces and the runtime op.
+
+The lock (semaphore) workspace of the split-K reduction is owned by the
+workspace manager, never by a layer or a kernel object: one int32 buffer per
+(ubatch, lane, CUDA stream), zeroed once. Every successful kernel call leaves
+its counters at zero, so no memset is needed between calls.
+
+``torch.ops.vllm.marlin_gemm`` takes ``workspace=None`` and resolves it inside
+the op, at execution time: a ``torch.compile``-d graph then calls the op with
+None and never bakes in one slot's or one stream's buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.kernels import marlin_gemm as kernel
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    is_workspace_manager_initialized,
+)
+
+MARLIN_WORKSPACE_KEY = "marlin_workspace"
+
+
+def marlin_make_workspace_new(
+    device: torch.device | str, max_blocks_per_sm: int = kernel.MAX_TILES_PER_SM
+) -> torch.Tensor:
+    """A zeroed int32 lock buffer for up to ``max_blocks_per_sm`` tiles per SM."""
+    device = torch.device(device)
+    if not 0 < max_blocks_per_sm <= kernel.MAX_TILES_PER_SM:
+        raise ValueError(
+            f"max_blocks_per_sm: expected 1..{kernel.MAX_TILES_PER_SM}, got "
+            f"{max_blocks_per_sm}"
+        )
+    numel = kernel.marlin_workspace_numel(device)
+    numel = numel // kernel.MAX_TILES_PER_SM * max_blocks_per_sm
+    return torch.zeros(numel, dtype=torch.int32, device=device)
+
+
+def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
+    """The lock buffer for the current (ubatch, lane, stream) on ``device``.
+
+    With a workspace manager it is a stream-scoped persistent tensor, zeroed
+    once; without one, a fresh zeroed buffer per call.
+    """
+    device = torch.device(device)
+    if not is_workspace_manager_initialized():
+        return marlin_make_workspace_new(device)
+    return current_workspace_manager().get_persistent(
+        (MARLIN_WORKSPACE_KEY, str(device)),
+        (kernel.marlin_workspace_numel(device),),
+        torch.int32,
+        zero_init=True,
+        per_stream=True,
+    )
+
+
+# -- weight preparation ------------------------------------------------------
+
+
+def marlin_quantize_and_repack(
+    weight: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight[N, K]`` -> (packed int32 [N, K // 8], scales [groups, N] in dtype)."""
+    q, scales = kernel.quantize_weights(weight, group_size)
+    return kernel.repack_weights(q), scales.to(dtype)
+
+
+def marlin_dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Reference dequantized weights ``[N, K]`` in the scales' dtype."""
+    return kernel.dequantize_weights(packed, scales, group_size)
+
+
+# -- runtime op --------------------------------------------------------------
+
+_lib = torch.library.Library("vllm", "FRAGMENT")
+_lib.define(
+    "marlin_gemm(Tensor a, Tensor b_q_weight, Tensor b_scales, "
+    "Tensor(a!)? workspace, SymInt group_size, SymInt size_n, SymInt size_k) "
+    "-> Tensor"
+)
+
+
+def _marlin_gemm_cuda(
+    a: torch.Tensor,
+    b_q_weight: torch.Tensor,
+    b_scales: torch.Tensor,
+    workspace: torch.Tensor | None,
+    group_size: int,
+    size_n: int,
+    size_k: int,
+) -> torch.Tensor:
+    if workspace is None:
+        workspace = get_marlin_workspace(a.device)
+    return kernel.marlin_gemm(
+        a,
+        b_q_weight,
+        b_scales,
+        workspace,
+        group_size=group_size,
+        size_n=size_n,
+        size_k=size_k,
+    )
+
+
+def _marlin_gemm_cpu(
+    a: torch.Tensor,
+    b_q_weight: torch.Tensor,
+    b_scales: torch.Tensor,
+    workspace: torch.Tensor | None,
+    group_size: int,
+    size_n: int,
+    size_k: int,
+) -> torch.Tensor:
+    """The plain-PyTorch path: same workspace resolution and checks."""
+    if workspace is None:
+        workspace = get_marlin_workspace(a.device)
+    need = kernel.marlin_workspace_numel(a.device)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace: expected int32 with at least {need} elements, got "
+            f"{workspace.dtype} with {workspace.numel()}"
+        )
+    weight = marlin_dequantize(b_q_weight, b_scales, group_size)
+    if weight.shape != (size_n, size_k) or a.shape[-1] != size_k:
+        raise ValueError(
+            f"a, b_q_weight: expected [M, {size_k}] and [{size_n}, {size_k // 8}], "
+            f"got {tuple(a.shape)} and {tuple(b_q_weight.shape)}"
+        )
+    return (a.float() @ weight.float().t()).to(a.dtype)
+
+
+def _marlin_gemm_fake(
+    a: torch.Tensor,
+    b_q_weight: torch.Tensor,
+    b_scales: torch.Tensor,
+    workspace: torch.Tensor | None,
+    group_size: int,
+    size_n: int,
+    size_k: int,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], size_n))
+
+
+_lib.impl("marlin_gemm", _marlin_gemm_cuda, "CUDA")
+_lib.impl("marlin_gemm", _marlin_gemm_cpu, "CPU")
+torch.library.register_fake("vllm::marlin_gemm", _marlin_gemm_fake, lib=_lib)
+
+
+def apply_marlin_linear(
+    x: torch.Tensor,
+    b_q_weight: torch.Tensor,
+    b_scales: torch.Tensor,
+    group_size: int,
+    size_n: int,
+    size_k: int,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x[..., K] @ dequant(W)^T`` through the runtime op."""
+    out = torch.ops.vllm.marlin_gemm(
+        x.reshape(-1, size_k),
+        b_q_weight,
+        b_scales,
+        workspace,
+        group_size,
+        size_n,
+        size_k,
+    )
+    return out.reshape(*x.shape[:-1], size_n)
