@@ -31,7 +31,16 @@ step() {  # step NAME LOGFILE COMMAND...: run, append to LOGFILE, record the sta
 
 # At most a handful of files come back from the device: one log for the
 # tests, one for all benchmarks, and a JSON per benchmark.
-step gpu-tests "$LOG/gpu_tests.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${@:-tests}"
+# Tests compile many Triton/humming kernels (CPU-bound): spread them over
+# workers when pytest-xdist is there.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-8}")
+if [ -z "${SKIP_TESTS:-}" ]; then
+    # The whole suite: on CUDA the `device` fixture runs the shared tests on
+    # the GPU too, a superset of `-m gpu`.
+    step gpu-tests "$LOG/gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+        "${workers[@]}" "${@:-tests}"
+fi
 for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     [ -f "$bench" ] || continue
     name="$(basename "$bench" .py)"
