@@ -25,6 +25,7 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 from vllm.v1.worker.ubatching import run_ubatches
 from vllm.v1.worker.workspace import (
     WorkspaceLockedError,
+    canonical_device,
     init_workspace_manager,
     reset_workspace_manager,
     use_workspace_lane,
@@ -174,7 +175,7 @@ def test_workspace_per_slot(device):
         report = manager.memory_report()
         for slot in report.slots:
             (res,) = slot.resources
-            marlin_key = (MARLIN_WORKSPACE_KEY, str(torch.device(device)))
+            marlin_key = (MARLIN_WORKSPACE_KEY, str(canonical_device(device)))
             assert isinstance(res.key, tuple) and res.key[0] == marlin_key
             assert res.nbytes == 4 * marlin_workspace_numel(device)
     finally:

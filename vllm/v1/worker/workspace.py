@@ -65,6 +65,15 @@ def _external_caller() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so
+    keys and checks agree with the device that tensors report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _stream_key(device: torch.device) -> Hashable:
     """Identity of the current stream on ``device`` (a constant on CPU)."""
     if device.type != "cuda":
@@ -220,7 +229,7 @@ class WorkspaceManager:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
         if num_lanes < 1:
             raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.num_ubatches = num_ubatches
         self.num_lanes = num_lanes
         self._alloc_context = alloc_context

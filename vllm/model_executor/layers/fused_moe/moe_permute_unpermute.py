@@ -23,6 +23,7 @@ import torch
 from vllm.model_executor.kernels import moe_permute as kernels
 from vllm.v1.worker.workspace import (
     WorkspaceLockedError,
+    canonical_device,
     current_workspace_manager,
     is_workspace_manager_initialized,
 )
@@ -52,7 +53,7 @@ class MoEPermuteScratch:
             )
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.capacity = 0
         self.inv_permuted_idx = torch.empty(0, dtype=torch.int32, device=self.device)
         self.permuted_idx = torch.empty(0, dtype=torch.int32, device=self.device)
@@ -112,7 +113,7 @@ def get_moe_permute_scratch(
     time and never cache the result on a layer. Without a manager, a new
     scratch per call.
     """
-    device = torch.device(device)
+    device = canonical_device(device)
     factory = lambda: MoEPermuteScratch(num_experts, num_local_experts, device)
     if not is_workspace_manager_initialized():
         return factory()

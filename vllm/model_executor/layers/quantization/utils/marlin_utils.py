@@ -16,6 +16,7 @@ import torch
 
 from vllm.model_executor.kernels import marlin_gemm as kernel
 from vllm.v1.worker.workspace import (
+    canonical_device,
     current_workspace_manager,
     is_workspace_manager_initialized,
 )
@@ -44,7 +45,7 @@ def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
     With a workspace manager it is a stream-scoped persistent tensor, zeroed
     once; without one, a fresh zeroed buffer per call.
     """
-    device = torch.device(device)
+    device = canonical_device(device)
     if not is_workspace_manager_initialized():
         return marlin_make_workspace_new(device)
     return current_workspace_manager().get_persistent(
