@@ -1,25 +1,56 @@
-"""Gated activations between the two expert GEMMs."""
+"""Gated activations between the two expert GEMMs.
+
+CUDA tensors run one fused Triton pass (activation, and for fp8 the per-row
+quantization); CPU tensors run the plain-PyTorch reference.
+"""
 
 from __future__ import annotations
 
 import torch
 
-SWIGLU_ALPHA = 1.702
-SWIGLU_LIMIT = 7.0
+from vllm.model_executor.kernels.activation_quant import (
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    act_and_quant,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    per_token_quant_fp8,
+)
+
+
+def _reference(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu":
+        gate = gate.clamp(max=SWIGLU_LIMIT)
+        up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+    raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
 
 
 def apply_moe_activation(
     activation: str, out: torch.Tensor, gate_up: torch.Tensor
 ) -> torch.Tensor:
     """``out[R, I] = act(gate_up[:, :I], gate_up[:, I:])`` (see config.ACTIVATIONS)."""
-    inter = gate_up.shape[-1] // 2
-    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
-    if activation == "silu":
-        result = torch.nn.functional.silu(gate) * up
-    elif activation == "swiglu":
-        gate = gate.clamp(max=SWIGLU_LIMIT)
-        up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-        result = gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
-    else:
-        raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
-    return out.copy_(result)
+    if gate_up.is_cuda:
+        act_and_quant(gate_up, out, activation)
+        return out
+    return out.copy_(_reference(activation, gate_up))
+
+
+def quant_rows_fp8(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+    activation: str | None = None,
+) -> None:
+    """``out, out_scale`` = per-row fp8 quantization of ``act(x)`` (or ``x``)."""
+    if x.is_cuda:
+        act_and_quant(x, out, activation, out_scale)
+        return
+    rows = x if activation is None else _reference(activation, x)
+    q, scale = per_token_quant_fp8(rows)
+    out.copy_(q)
+    out_scale.copy_(scale.view(-1))

@@ -1,16 +1,17 @@
 """FP8 w8a8 experts on ``torch._scaled_grouped_mm`` (CUTLASS inside on Hopper).
 
 Weights: fp8 e4m3 with one scale per output channel. Activations: quantized
-per token before the permute (M rows instead of M x topk), then the fp8 rows
-and their scales are permuted into workspace2; the activation output is
-re-quantized per row into workspace13.
+per token into workspace13 before the permute (M rows instead of M x topk),
+then the fp8 rows and their scales are permuted into workspace2; after GEMM1
+one fused pass applies the gated activation and re-quantizes it per row into
+workspace13 (free again by then).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     _round_up,
@@ -29,7 +30,6 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     FP8_DTYPE,
     per_channel_quant_fp8,
-    per_token_quant_fp8,
 )
 
 
@@ -92,8 +92,11 @@ class CutlassExpertsFp8(FusedMoEExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows = M * topk
-        # workspace13: the activation output in fp8, then its row scales.
-        workspace13 = _round_up(rows * (N // 2)) + rows * 4
+        # workspace13: fp8 rows + row scales, first of the M input tokens,
+        # then of the R activation rows.
+        workspace13 = max(
+            _round_up(M * K) + M * 4, _round_up(rows * (N // 2)) + rows * 4
+        )
         workspace2 = rows * K  # permuted fp8 activations
         return (workspace13,), (workspace2,), (M, K)
 
@@ -116,11 +119,16 @@ class CutlassExpertsFp8(FusedMoEExperts):
             num_local_experts=moe.num_local_experts,
             device=hidden_states.device,
         )
-        a_q, a_scale = per_token_quant_fp8(hidden_states)
-        a_perm = carve(workspace2, (rows, moe.hidden_size), FP8_DTYPE)
+        num_tokens, hidden = hidden_states.shape
+        a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
+        a_scale = carve(
+            workspace13, (num_tokens,), torch.float32, _round_up(a_q.numel())
+        )
+        quant_rows_fp8(hidden_states, a_q, a_scale)
+        a_perm = carve(workspace2, (rows, hidden), FP8_DTYPE)
         _, a_perm_scale, offsets, inv, _ = moe_permute(
             a_q,
-            a_scale,
+            a_scale.view(num_tokens, 1),
             topk_ids,
             moe.num_experts,
             moe.num_local_experts,
@@ -132,14 +140,8 @@ class CutlassExpertsFp8(FusedMoEExperts):
         gate_up = grouped_mm(
             a_perm, self.w13, offsets, a_perm_scale.view(-1), self.w13_scale, out_dtype
         )
-        act = torch.empty(rows, inter, dtype=out_dtype, device=output.device)
-        apply_moe_activation(moe.activation, act, gate_up)
-        act_q, act_scale = per_token_quant_fp8(act)
-        act_q_ws = carve(workspace13, (rows, inter), FP8_DTYPE).copy_(act_q)
-        act_scale_ws = carve(
-            workspace13, (rows,), torch.float32, _round_up(rows * inter)
-        ).copy_(act_scale.view(-1))
-        down = grouped_mm(
-            act_q_ws, self.w2, offsets, act_scale_ws, self.w2_scale, out_dtype
-        )
+        act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
+        act_scale = carve(workspace13, (rows,), torch.float32, _round_up(act_q.numel()))
+        quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
+        down = grouped_mm(act_q, self.w2, offsets, act_scale, self.w2_scale, out_dtype)
         moe_unpermute(output, down, topk_weights, inv, offsets)

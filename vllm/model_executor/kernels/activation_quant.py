@@ -1,0 +1,138 @@
+"""Gated activation and per-row FP8 quantization in one pass (Triton).
+
+Between the two expert GEMMs the activation reads [R, 2I] and writes [R, I];
+done in plain PyTorch it is several kernels and fp32 temporaries, and the FP8
+path adds an amax, a division and a cast. Here one program handles one row:
+pass 1 computes the activation in fp32 and its absolute maximum, pass 2
+recomputes it, scales and stores it (the row is re-read from L2, not HBM).
+The same kernel quantizes plain rows (``activation=None``) before dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+MIN_SCALE = 1e-12  # keeps all-zero rows finite (scale = MIN_SCALE / FP8_MAX)
+
+_MODES = {None: 0, "silu": 1, "swiglu": 2}
+
+
+@triton.jit
+def _act(
+    x_ptrs, mask, inter, MODE: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr
+):
+    if MODE == 0:
+        return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.minimum(gate, LIMIT)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    cols,
+    stride_x,
+    stride_out,
+    MODE: tl.constexpr,
+    QUANT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    offs = tl.arange(0, BLOCK)
+    inv_scale = 1.0
+    if QUANT:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            y = _act(x_row + start + offs, mask, cols, MODE, ALPHA, LIMIT)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_SCALE) / FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        inv_scale = 1.0 / scale
+    for start in range(0, cols, BLOCK):
+        mask = start + offs < cols
+        y = _act(x_row + start + offs, mask, cols, MODE, ALPHA, LIMIT)
+        if QUANT:
+            y = tl.minimum(tl.maximum(y * inv_scale, -FP8_MAX), FP8_MAX)
+        tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_and_quant(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    activation: str | None,
+    out_scale: torch.Tensor | None = None,
+) -> None:
+    """``out = act(x)`` row by row, quantized per row when ``out`` is fp8.
+
+    ``activation``: "silu" / "swiglu" on ``x`` [R, 2I] -> ``out`` [R, I]
+    (gate is the first half), or None for ``x`` [R, C] -> ``out`` [R, C].
+    An fp8 ``out`` needs ``out_scale`` [R] fp32, written with one scale per
+    row (``out * scale`` restores the values).
+    """
+    if activation not in _MODES:
+        raise ValueError(
+            f"activation: expected one of {list(_MODES)}, got {activation!r}"
+        )
+    if x.dim() != 2 or x.stride(1) != 1 or (activation and x.shape[1] % 2):
+        width = "2 x cols" if activation else "cols"
+        raise ValueError(
+            f"x: expected a row-contiguous [rows, {width}] tensor, got "
+            f"{tuple(x.shape)} with strides {x.stride()}"
+        )
+    rows = x.shape[0]
+    cols = x.shape[1] // 2 if activation else x.shape[1]
+    if out.shape != (rows, cols) or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(
+            f"out: expected a row-contiguous ({rows}, {cols}) tensor on {x.device}, "
+            f"got {tuple(out.shape)} on {out.device}"
+        )
+    quant = out.dtype == FP8_DTYPE
+    if quant and (
+        out_scale is None
+        or out_scale.shape != (rows,)
+        or out_scale.dtype != torch.float32
+        or out_scale.device != x.device
+    ):
+        raise ValueError(
+            f"out_scale: expected a ({rows},) fp32 tensor on {x.device} for an fp8 "
+            f"out, got {None if out_scale is None else tuple(out_scale.shape)}"
+        )
+    if rows == 0:
+        return
+    block = min(triton.next_power_of_2(max(cols, 16)), 2048)
+    _act_quant_kernel[(rows,)](
+        x,
+        out,
+        out_scale if quant else out,
+        cols,
+        x.stride(0),
+        out.stride(0),
+        MODE=_MODES[activation],
+        QUANT=quant,
+        ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE,
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
+    )
