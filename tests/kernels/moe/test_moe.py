@@ -231,10 +231,19 @@ def test_reload_after_lock(workspace_init, device, backend):
     logits = torch.randn(12, moe.num_experts, device=device)
     before = layer(hidden, logits)
     bytes_before = workspace_init.memory_report().total_bytes
+    assert layer.kernel is not None
+    experts = layer.kernel.experts
+    storage = {k: v.data_ptr() for k, v in vars(experts).items() if torch.is_tensor(v)}
     workspace_init.lock()
     load_random_weights(layer, seed=2)
     layer.process_weights_after_loading()  # rebuilds the experts
     after = layer(hidden, logits)
+    # The new weights went into the old storage (graphs captured before the
+    # reload keep reading valid, now updated, weights).
+    assert layer.kernel.experts is experts
+    assert {
+        k: v.data_ptr() for k, v in vars(experts).items() if torch.is_tensor(v)
+    } == storage
     assert workspace_init.memory_report().total_bytes == bytes_before
     assert relative_error(after, before.double().cpu()) > 0.1  # new weights in use
     fresh = make_layer(moe, device, backend, seed=2)
@@ -253,21 +262,54 @@ class TwoLayerBlock(torch.nn.Module):
         return x + self.second(x, self.gate(x.float()))
 
 
-def test_compile_fullgraph_matches_eager(workspace_init, device):
+def test_compile_fullgraph_matches_eager(device):
     torch._dynamo.reset()
-    moe = moe_config(device, experts_per_token=4)
-    block = TwoLayerBlock(moe, device)
-    x = torch.randn(10, moe.hidden_size, device=device, dtype=moe.in_dtype)
-    torch.set_grad_enabled(False)  # inference, as in a runner
-    expected = block(x)
-    compiled = torch.compile(
-        block, fullgraph=True, backend="inductor" if CUDA else "aot_eager"
-    )
-    torch.testing.assert_close(compiled(x), expected, rtol=1e-2, atol=1e-2)
-    with use_workspace_lane(0):  # a second call runs without recompiling
-        torch.testing.assert_close(compiled(x), expected, rtol=1e-2, atol=1e-2)
-    torch.set_grad_enabled(True)
-    torch._dynamo.reset()
+    reset_workspace_manager()
+    manager = init_workspace_manager(device, num_lanes=2)
+    try:
+        with torch.no_grad():  # inference, as in a runner
+            moe = moe_config(device, experts_per_token=4)
+            block = TwoLayerBlock(moe, device)
+            x = torch.randn(10, moe.hidden_size, device=device, dtype=moe.in_dtype)
+            expected = block(x)
+            backend = "inductor" if CUDA else "aot_eager"
+            compiled = torch.compile(block, fullgraph=True, backend=backend)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                torch.testing.assert_close(compiled(x), expected, rtol=1e-2, atol=1e-2)
+                with use_workspace_lane(1):  # another slot, same compiled graph
+                    torch.testing.assert_close(
+                        compiled(x), expected, rtol=1e-2, atol=1e-2
+                    )
+        # The lookups ran at execution time: each lane got its own scratch.
+        scratches = manager.memory_report().resources_of_type("MoEPermuteScratch")
+        assert len(scratches) == 2
+    finally:
+        reset_workspace_manager()
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", list(SCHEMES))
+def test_graph_captured_before_reload_uses_new_weights(workspace_init, backend):
+    moe = moe_config("cuda", scheme=SCHEMES[backend])
+    layer = make_layer(moe, "cuda", backend, seed=6)
+    hidden = torch.randn(32, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
+    logits = torch.randn(32, moe.num_experts, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(hidden, logits)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = layer(hidden, logits)
+    workspace_init.lock()
+    load_random_weights(layer, seed=7)
+    layer.process_weights_after_loading()
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = make_layer(moe, "cuda", backend, seed=7)
+    torch.testing.assert_close(out, fresh(hidden, logits), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -292,6 +334,11 @@ def test_cuda_graph_replay_with_new_routing(workspace_init, backend):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, layer(hidden, logits), rtol=0, atol=0)
+        assert layer.kernel is not None
+        w13, w2 = dequantized(layer.kernel.experts, layer.w13_weight, layer.w2_weight)
+        weights, ids = fused_topk(hidden, logits, moe.experts_per_token, True)
+        ref = torch_moe_reference(hidden, w13, w2, weights, ids, None)
+        assert relative_error(out, ref) < TOLERANCE[backend]
 
 
 # -- bad configs -------------------------------------------------------------------
@@ -318,3 +365,22 @@ def test_bad_configs(device):
         CutlassExpertsFp8.from_unquantized(fp8, w13, w2)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(moe, prefix="bad.backend", backend="triton", device=device)
+
+
+def test_bad_inputs_are_named(workspace_init, device):
+    moe = moe_config(device, experts_per_token=2)
+    kernel = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(), GroupedMMExperts(moe, *random_weights(moe, device))
+    )
+    x = torch.randn(3, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    w, ids = fused_topk(x, torch.randn(3, moe.num_experts, device=device), 2, True)
+    for args, name in (
+        ((x.float(), w, ids), "hidden_states"),
+        ((x[:, :-8], w, ids), "hidden_states"),
+        ((x, w, ids[:, :1]), "topk_ids"),
+        ((x, w, ids.float()), "topk_ids"),
+        ((x, w.double(), ids), "topk_weights"),
+        ((x, w[:2], ids), "topk_weights"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            kernel.forward(*args)

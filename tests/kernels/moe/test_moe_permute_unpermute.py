@@ -310,6 +310,7 @@ def test_scratch_grows_until_lock(workspace_init, device):
     assert isinstance(info.value, AssertionError)
     assert "Scratch growth is not allowed after locking" in msg
     assert "390" in msg and "384" in msg
+    assert "ubatch=0, lane=0" in msg and "test_moe_permute_unpermute.py:" in msg
 
 
 def test_scratch_holds_metadata_only(device):

@@ -156,6 +156,11 @@ def test_workspace_without_manager_is_fresh_and_zero(device):
     assert first.numel() == marlin_workspace_numel(device)
 
 
+def test_workspace_on_another_device_is_refused(workspace_init):
+    with pytest.raises(ValueError, match="device: the workspace manager owns"):
+        get_marlin_workspace("meta")
+
+
 def test_workspace_per_slot(device):
     reset_workspace_manager()
     manager = init_workspace_manager(device, num_ubatches=2, num_lanes=2)

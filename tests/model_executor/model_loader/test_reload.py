@@ -26,6 +26,8 @@ def test_marlin_reload_after_lock_needs_no_workspace(workspace_init, device):
     before = workspace_init.memory_report()
     workspace_init.lock()
 
+    assert layer.qweight is not None
+    storage = layer.qweight.data_ptr()
     new_weight = torch.randn(128, 256, device=device)
     layer.weight_loader(new_weight)
     layer.process_weights_after_loading()
@@ -33,7 +35,9 @@ def test_marlin_reload_after_lock_needs_no_workspace(workspace_init, device):
     assert layer.qweight is not None and layer.scales is not None
     ref = x.float() @ marlin_dequantize(layer.qweight, layer.scales, 128).float().t()
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-1)
-    # The new weights are in use and nothing new was allocated by the manager.
+    # The new weights are in use, in the old storage (graphs captured before
+    # the reload stay valid), and nothing new was allocated by the manager.
+    assert layer.qweight.data_ptr() == storage
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
     after = workspace_init.memory_report()
     assert after.total_bytes == before.total_bytes

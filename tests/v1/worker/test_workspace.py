@@ -271,6 +271,21 @@ def test_lane_restored_and_new_threads_start_on_lane_zero(multi_slot):
     assert seen == [0]
 
 
+def test_ubatch_threads_inherit_the_callers_lane(multi_slot):
+    def lane_and_view() -> int:
+        multi_slot.get_simultaneous(((16,), torch.float32))
+        return current_workspace_lane()
+
+    with use_workspace_lane(1):
+        assert run_ubatches([lane_and_view] * 2) == [1, 1]
+    # The ubatch threads on lane 1 used the (ubatch, 1) slots, not lane 0's.
+    used = [
+        (s.ubatch, s.lane) for s in multi_slot.memory_report().slots if s.arena_bytes
+    ]
+    assert used == [(0, 1), (1, 1)]
+    assert run_ubatches([current_workspace_lane] * 2) == [0, 0]
+
+
 def test_concurrent_ubatch_threads_land_in_own_slots(multi_slot):
     barrier = threading.Barrier(2)
 

@@ -5,6 +5,7 @@ shared between overlapping micro-batches (workspace, persistent resources) is
 looked up by the id of the ubatch whose thread is running.
 """
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,11 +19,6 @@ _state = threading.local()
 def dbo_current_ubatch_id() -> int:
     """The running thread's ubatch id; 0 outside micro-batch overlap."""
     return getattr(_state, "ubatch_id", 0)
-
-
-def dbo_enabled() -> bool:
-    """Whether the running thread executes inside a ubatch context."""
-    return getattr(_state, "ubatch_id", None) is not None
 
 
 @contextmanager
@@ -41,8 +37,10 @@ def ubatch_context(ubatch_id: int) -> Iterator[None]:
 def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:
     """Run ``fns[i]`` as ubatch i, each on its own thread, concurrently.
 
-    Returns the results in order; the first exception raised by any ubatch
-    is re-raised here after all threads have finished.
+    Each thread runs in a copy of the caller's context, so context-scoped
+    selections (the workspace lane) carry over. Returns the results in order;
+    the first exception raised by any ubatch is re-raised here after all
+    threads have finished.
     """
     results: list[T | None] = [None] * len(fns)
     errors: list[BaseException | None] = [None] * len(fns)
@@ -55,7 +53,9 @@ def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:
             errors[i] = e
 
     threads = [
-        threading.Thread(target=body, args=(i,), name=f"ubatch-{i}")
+        threading.Thread(
+            target=contextvars.copy_context().run, args=(body, i), name=f"ubatch-{i}"
+        )
         for i in range(len(fns))
     ]
     for t in threads:

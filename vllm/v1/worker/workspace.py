@@ -15,9 +15,9 @@ Everything is created while the manager is unlocked (warm-up); after
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
-import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -43,7 +43,8 @@ class WorkspaceLockedError(AssertionError):
     """A request needed new workspace memory after the manager was locked."""
 
 
-def _round_up(n: int, multiple: int) -> int:
+def align_up(n: int, multiple: int = ALIGNMENT) -> int:
+    """``n`` rounded up to a multiple (by default the view alignment)."""
     return (n + multiple - 1) // multiple * multiple
 
 
@@ -54,11 +55,12 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-def _external_caller() -> str:
-    """file:line of the first stack frame outside this module."""
+def _external_caller(*skip_files: str) -> str:
+    """file:line of the first stack frame outside this module (and outside
+    ``skip_files``, the modules of resource owners reporting through us)."""
+    skipped = {os.path.abspath(__file__), *map(os.path.abspath, skip_files)}
     frame = sys._getframe(1)
-    here = os.path.abspath(__file__)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename) == here:
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in skipped:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None:
         return "<unknown>"
@@ -257,13 +259,41 @@ class WorkspaceManager:
             )
         return self._slots[ubatch * self.num_lanes + lane]
 
-    def _locked_error(self, slot: _Slot, request: str) -> WorkspaceLockedError:
+    def _locked_error(
+        self, slot: _Slot, request: str, owner_file: str | None = None
+    ) -> WorkspaceLockedError:
+        state = "locked" if self._locked else "capturing a CUDA graph"
+        caller = _external_caller(*([owner_file] if owner_file else []))
         return WorkspaceLockedError(
-            f"Workspace is locked: {_external_caller()} requested {request} in "
+            f"Workspace is {state}: {caller} requested {request} in "
             f"slot (ubatch={slot.ubatch}, lane={slot.lane}); that slot has "
-            f"{slot.describe()}. Warm up every size and slot before "
-            f"lock_workspace()."
+            f"{slot.describe()}. Warm up every size and slot, on the stream "
+            f"that captures, before capturing and lock_workspace()."
         )
+
+    def _growth_forbidden(self) -> bool:
+        """Locked, or a CUDA graph is being captured: new memory would either
+        break the lock or outlive its zero-fill / free what graphs point to."""
+        return self._locked or (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        )
+
+    def locked_error(self, request: str, owner_file: str) -> WorkspaceLockedError:
+        """The error for ``request`` in the current slot, for owners of
+        resources that grow on their own (e.g. the MoE permute scratch); the
+        caller named is the first frame outside ``owner_file``."""
+        return self._locked_error(self._current_slot(), request, owner_file)
+
+    def growth_allowed(self) -> bool:
+        return not self._growth_forbidden()
+
+    def require_device(self, device: torch.device | str, what: str) -> None:
+        """Resources are allocated on the manager's device: refuse others."""
+        if canonical_device(device) != self.device:
+            raise ValueError(
+                f"device: the workspace manager owns {self.device}, but {what} was "
+                f"asked for on {canonical_device(device)}"
+            )
 
     # -- scratch arena -------------------------------------------------------
 
@@ -279,7 +309,7 @@ class WorkspaceManager:
         total = 0
         for shape, dtype in shapes_and_dtypes:
             offsets.append(total)
-            total += _round_up(_nbytes(shape, dtype), ALIGNMENT)
+            total += align_up(_nbytes(shape, dtype))
         slot = self._current_slot()
         if total > slot.capacity:
             self._grow_arena(slot, total, shapes_and_dtypes)
@@ -300,7 +330,7 @@ class WorkspaceManager:
         nbytes: int,
         request: Sequence[tuple[Sequence[int], torch.dtype]],
     ) -> None:
-        if self._locked:
+        if self._growth_forbidden():
             shapes = ", ".join(f"{tuple(s)} {d}" for s, d in request)
             raise self._locked_error(
                 slot, f"{nbytes} arena bytes for [{shapes}] (arena growth)"
@@ -347,7 +377,7 @@ class WorkspaceManager:
             return slot.objects[full_key]  # type: ignore[return-value]
         except KeyError:
             pass
-        if self._locked:
+        if self._growth_forbidden():
             raise self._locked_error(slot, f"a new persistent resource {full_key!r}")
         with self._alloc_context():
             value = factory()
@@ -388,7 +418,7 @@ class WorkspaceManager:
                     f"{tensor.dtype}, but {shape} {dtype} was requested"
                 )
             return tensor
-        if self._locked:
+        if self._growth_forbidden():
             raise self._locked_error(
                 slot, f"a new persistent tensor {full_key!r} of {shape} {dtype}"
             )
@@ -443,17 +473,20 @@ class WorkspaceManager:
 
 # -- lanes -------------------------------------------------------------------
 
-_lane_state = threading.local()
+# A context variable: a new thread starts on lane 0, and run_ubatches() hands
+# the caller's lane to its ubatch threads by copying the context.
+_lane: contextvars.ContextVar[int] = contextvars.ContextVar("workspace_lane", default=0)
 
 
 def current_workspace_lane() -> int:
-    """The running thread's workspace lane (0 unless selected)."""
-    return getattr(_lane_state, "lane", 0)
+    """The running context's workspace lane (0 unless selected)."""
+    return _lane.get()
 
 
 @contextmanager
 def use_workspace_lane(lane: int) -> Iterator[None]:
-    """Select workspace lane ``lane`` for the body, on this thread only."""
+    """Select workspace lane ``lane`` for the body (this thread and the
+    ubatch threads it starts with ``run_ubatches``)."""
     if lane < 0:
         raise ValueError(f"workspace lane must be >= 0, got {lane}")
     if _manager is not None and lane >= _manager.num_lanes:
@@ -461,12 +494,11 @@ def use_workspace_lane(lane: int) -> Iterator[None]:
             f"workspace lane {lane} is out of range: the workspace manager was "
             f"initialized with num_lanes={_manager.num_lanes}"
         )
-    previous = current_workspace_lane()
-    _lane_state.lane = lane
+    token = _lane.set(lane)
     try:
         yield
     finally:
-        _lane_state.lane = previous
+        _lane.reset(token)
 
 
 # -- process-wide manager ----------------------------------------------------

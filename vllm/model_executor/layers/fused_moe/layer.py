@@ -24,8 +24,9 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     MoEPrepareAndFinalizeNoEP,
 )
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.model_executor.utils import copy_tensors_in_place
 
-BACKENDS = ("auto", "grouped_mm", "cutlass", "humming")
+BACKENDS = ("auto", "grouped_mm", "cutlass", "humming", "marlin")
 
 _layers: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
 
@@ -50,6 +51,12 @@ def make_experts(
         )
 
         return HummingGroupedExperts.from_unquantized(moe, w13, w2)
+    if backend == "marlin":
+        from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import (
+            MarlinExperts,
+        )
+
+        return MarlinExperts.from_unquantized(moe, w13, w2)
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
@@ -155,8 +162,13 @@ class FusedMoE(nn.Module):
         experts = make_experts(
             self.moe, self.w13_weight.data, self.w2_weight.data, self.backend
         )
-        self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
-        if not isinstance(experts, GroupedMMExperts):
+        # A reload copies into the live weights when the layout is unchanged,
+        # so graphs captured before it keep pointing at valid storage.
+        if self.kernel is None or not copy_tensors_in_place(
+            self.kernel.experts, experts
+        ):
+            self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+        if not isinstance(self.kernel.experts, GroupedMMExperts):
             self.w13_weight = self.w2_weight = None
 
     def forward(
@@ -203,7 +215,7 @@ def _moe_forward(
 def _moe_forward_fake(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str
 ) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the op
 
 
 _lib.impl("moe_forward", _moe_forward, "CompositeExplicitAutograd")

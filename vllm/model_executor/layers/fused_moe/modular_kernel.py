@@ -118,6 +118,45 @@ class FusedMoEExperts(ABC):
         """Write ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` into ``output``."""
 
 
+def _check_inputs(
+    moe: FusedMoEConfig,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
+    routing = (tokens, moe.experts_per_token)
+    for name, ok, expected, got in (
+        (
+            "hidden_states",
+            hidden_states.dim() == 2
+            and hidden_states.shape[1] == moe.hidden_size
+            and hidden_states.dtype == moe.in_dtype,
+            f"[tokens, {moe.hidden_size}] {moe.in_dtype}",
+            f"{tuple(hidden_states.shape)} {hidden_states.dtype}",
+        ),
+        (
+            "topk_ids",
+            tuple(topk_ids.shape) == routing
+            and topk_ids.dtype in (torch.int32, torch.int64)
+            and topk_ids.device == hidden_states.device,
+            f"{routing} int32/int64 on {hidden_states.device}",
+            f"{tuple(topk_ids.shape)} {topk_ids.dtype} on {topk_ids.device}",
+        ),
+        (
+            "topk_weights",
+            tuple(topk_weights.shape) == routing
+            and topk_weights.dtype == torch.float32
+            and topk_weights.device == hidden_states.device,
+            f"{routing} float32 on {hidden_states.device}",
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype} on "
+            f"{topk_weights.device}",
+        ),
+    ):
+        if not ok:
+            raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
 class FusedMoEModularKernel:
     def __init__(
         self,
@@ -135,6 +174,7 @@ class FusedMoEModularKernel:
         expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
         moe = self.experts.moe
+        _check_inputs(moe, hidden_states, topk_weights, topk_ids)
         a1q, a1q_scale = self.prepare_finalize.prepare(hidden_states, moe.quant_config)
         ws13_shape, ws2_shape, out_shape = self.experts.workspace_shapes(
             hidden_states.shape[0],

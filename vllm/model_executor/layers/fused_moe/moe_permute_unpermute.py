@@ -22,7 +22,6 @@ import torch
 
 from vllm.model_executor.kernels import moe_permute as kernels
 from vllm.v1.worker.workspace import (
-    WorkspaceLockedError,
     canonical_device,
     current_workspace_manager,
     is_workspace_manager_initialized,
@@ -66,16 +65,16 @@ class MoEPermuteScratch:
         """Make room for ``expanded_rows`` rows (grows only while unlocked)."""
         if expanded_rows <= self.capacity:
             return
-        if (
-            is_workspace_manager_initialized()
-            and current_workspace_manager().is_locked()
-        ):
-            raise WorkspaceLockedError(
-                f"Scratch growth is not allowed after locking: MoEPermuteScratch("
-                f"num_experts={self.num_experts}, num_local_experts="
-                f"{self.num_local_experts}, device={self.device}) was asked for "
-                f"{expanded_rows} expanded rows but has {self.capacity}. Warm up "
-                f"at the largest token count before lock_workspace()."
+        manager = (
+            current_workspace_manager() if is_workspace_manager_initialized() else None
+        )
+        if manager is not None and not manager.growth_allowed():
+            raise manager.locked_error(
+                f"{expanded_rows} expanded rows from MoEPermuteScratch(num_experts="
+                f"{self.num_experts}, num_local_experts={self.num_local_experts}, "
+                f"device={self.device}), which has {self.capacity} (Scratch growth "
+                f"is not allowed after locking)",
+                owner_file=__file__,
             )
         # Release the old blocks first so the allocator can reuse them.
         self.inv_permuted_idx = self.permuted_idx = self.sort_workspace = None  # type: ignore[assignment]
@@ -207,7 +206,7 @@ def _sort_routes(
     offsets = scratch.expert_first_token_offset
     if topk_ids.is_cuda:
         kernels.route_sort(
-            topk_ids,
+            topk_ids.contiguous(),
             expert_map,
             scratch.num_experts,
             scratch.num_local_experts,

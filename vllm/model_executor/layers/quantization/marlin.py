@@ -78,7 +78,17 @@ class MarlinLinear(nn.Module):
         qweight, scales = marlin_quantize_and_repack(
             self.weight.data, self.group_size, self.params_dtype
         )
-        self.qweight, self.scales = qweight, scales
+        if (
+            self.qweight is not None
+            and self.scales is not None
+            and self.qweight.shape == qweight.shape
+            and self.scales.shape == scales.shape
+        ):
+            # Reload: keep the storage that captured CUDA graphs point at.
+            self.qweight.copy_(qweight)
+            self.scales.copy_(scales)
+        else:
+            self.qweight, self.scales = qweight, scales
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

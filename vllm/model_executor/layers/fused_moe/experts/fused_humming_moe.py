@@ -367,7 +367,9 @@ class HummingGroupedExperts(FusedMoEExperts):
         """Stream-K semaphores of this (slot, stream); zero between calls."""
         if not is_workspace_manager_initialized():
             return torch.zeros(self.num_locks, dtype=torch.int32, device=device)
-        return current_workspace_manager().get_persistent(
+        manager = current_workspace_manager()
+        manager.require_device(device, "Humming Stream-K locks")
+        return manager.get_persistent(
             ("humming_locks", str(device)),
             (self.num_locks,),
             torch.int32,

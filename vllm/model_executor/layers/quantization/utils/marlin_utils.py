@@ -48,7 +48,9 @@ def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
     device = canonical_device(device)
     if not is_workspace_manager_initialized():
         return marlin_make_workspace_new(device)
-    return current_workspace_manager().get_persistent(
+    manager = current_workspace_manager()
+    manager.require_device(device, "a Marlin workspace")
+    return manager.get_persistent(
         (MARLIN_WORKSPACE_KEY, str(device)),
         (kernel.marlin_workspace_numel(device),),
         torch.int32,

@@ -1,0 +1,245 @@
+"""Grouped (MoE) Marlin W4A16 GEMM against a per-expert dequantized reference.
+
+CPU runs go through TRITON_INTERPRET (set by tests/conftest.py) at tiny sizes;
+``gpu`` tests use model sizes. Rows past ``offsets[-1]`` are poisoned in A and
+in the output, and must stay untouched.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from vllm.model_executor.kernels.marlin_gemm import (
+    MAX_GROUPED_EXPERTS,
+    MarlinConfig,
+    dequantize_weights,
+    marlin_gemm_grouped,
+    marlin_workspace_numel,
+    quantize_weights,
+    repack_weights,
+)
+
+SENTINEL = 7.0  # untouched output rows keep it
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _weights(
+    experts: int,
+    n: int,
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``[E, N, K // 8]`` weights and ``[E, groups, N]`` scales."""
+    packed, scales = [], []
+    for _ in range(experts):
+        q, s = quantize_weights(torch.randn(n, k, device=device), group_size)
+        packed.append(repack_weights(q))
+        scales.append(s.to(dtype))
+    return torch.stack(packed), torch.stack(scales)
+
+
+def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    return offsets.to(device)
+
+
+def _counts(rows: int, experts: int, gen: torch.Generator) -> list[int]:
+    """Rows per expert: about a fifth of the rows left as an invalid tail and,
+    with several experts, expert 1 and the last expert empty."""
+    valid = rows - rows // 5
+    live = [e for e in range(experts) if experts < 3 or e not in (1, experts - 1)]
+    counts = [0] * experts
+    for e in torch.randint(0, len(live), (valid,), generator=gen).tolist():
+        counts[live[e]] += 1
+    return counts
+
+
+def _reference(
+    a: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    counts: list[int],
+    group_size: int,
+) -> torch.Tensor:
+    """fp32 ``[valid rows, N]``: each expert's rows times its weights."""
+    parts, start = [], 0
+    for e, count in enumerate(counts):
+        weight = dequantize_weights(packed[e], scales[e], group_size).float()
+        parts.append(a[start : start + count].float() @ weight.t())
+        start += count
+    return torch.cat(parts)
+
+
+def _check(
+    rows: int,
+    counts: list[int],
+    n: int,
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: MarlinConfig | None = None,
+    calls: int = 1,
+    tolerance: float = 2e-2,
+) -> None:
+    packed, scales = _weights(len(counts), n, k, group_size, dtype, device)
+    offsets = _offsets(counts, device)
+    valid = sum(counts)
+    a = torch.randn(rows, k, device=device).to(dtype)
+    a[valid:] = float("nan")  # never read
+    ref = _reference(a, packed, scales, counts, group_size)
+    ws = torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
+    out = torch.full((rows, n), SENTINEL, dtype=dtype, device=device)
+    for _ in range(calls):  # later calls rely on the earlier ones leaving zeros
+        out[:valid] = float("nan")
+        res = marlin_gemm_grouped(
+            a,
+            packed,
+            scales,
+            offsets,
+            ws,
+            group_size=group_size,
+            size_n=n,
+            size_k=k,
+            out=out,
+            config=config,
+        )
+        assert res is out
+        assert int(ws.abs().sum()) == 0
+        assert bool((out[valid:] == SENTINEL).all())  # never written
+        if valid:
+            # bf16 on the interpreter rounds by truncation, and split-K
+            # partials pass through the output dtype: a few ulps.
+            assert _rel_err(out[:valid], ref) < tolerance
+
+
+CONFIGS = {
+    "auto": None,
+    "split1": MarlinConfig(16, 64, 1, 4, 2),
+    "split2": MarlinConfig(64, 64, 2, 4, 2),  # bounded grid <= 16 on CPU
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("experts", [1, 3, 5])
+@pytest.mark.parametrize("rows", [0, 1, 7, 37])
+def test_matches_reference(
+    device: torch.device, rows: int, experts: int, config: str
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 10 + experts)
+    torch.manual_seed(rows * 10 + experts)
+    counts = _counts(rows, experts, gen)
+    # N = 96 leaves a partial N-tile; the split-2 config keeps to one N-tile
+    # so its bounded grid stays resident on the interpreter's 8 "SMs".
+    n = 64 if config == "split2" else 96
+    _check(rows, counts, n, 256, 128, torch.bfloat16, device, CONFIGS[config])
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_fp16_groups_and_repeated_calls(device: torch.device, group_size: int) -> None:
+    torch.manual_seed(1)
+    # Uneven experts straddling tile edges; the default config splits K here.
+    _check(
+        20,
+        [17, 0, 2],
+        64,
+        512,
+        group_size,
+        torch.float16,
+        device,
+        calls=2,
+        tolerance=2e-3,
+    )
+
+
+def test_all_experts_empty(device: torch.device) -> None:
+    _check(6, [0, 0, 0], 64, 256, 128, torch.bfloat16, device, calls=2)
+
+
+def test_bad_inputs_raise(device: torch.device) -> None:
+    experts, n, k = 2, 64, 256
+    packed, scales = _weights(experts, n, k, 128, torch.bfloat16, device)
+    offsets = _offsets([1, 2], device)
+    a = torch.randn(4, k, device=device).to(torch.bfloat16)
+    ws = torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
+    gemm = functools.partial(marlin_gemm_grouped, group_size=128, size_n=n, size_k=k)
+    with pytest.raises(ValueError, match="a:"):
+        gemm(a.float(), packed, scales, offsets, ws)
+    with pytest.raises(ValueError, match="b_packed"):
+        gemm(a, packed[0], scales, offsets, ws)
+    with pytest.raises(ValueError, match="b_packed"):
+        gemm(a, packed[:, :32], scales, offsets, ws)
+    too_many = packed[:1].expand(MAX_GROUPED_EXPERTS + 1, -1, -1)
+    with pytest.raises(ValueError, match="b_packed"):
+        gemm(a, too_many, scales, offsets, ws)
+    with pytest.raises(ValueError, match="scales"):
+        gemm(a, packed, scales[:1], offsets, ws)
+    with pytest.raises(ValueError, match="expert_first_token_offset"):
+        gemm(a, packed, scales, offsets.int(), ws)
+    with pytest.raises(ValueError, match="expert_first_token_offset"):
+        gemm(a, packed, scales, offsets[:2], ws)
+    with pytest.raises(ValueError, match="workspace"):
+        gemm(a, packed, scales, offsets, ws[:1])
+    with pytest.raises(ValueError, match="out"):
+        gemm(a, packed, scales, offsets, ws, out=torch.empty_like(a))
+    with pytest.raises(ValueError, match="config"):
+        gemm(a, packed, scales, offsets, ws, config=MarlinConfig(16, 64, 16, 4, 2))
+
+
+# -- GPU: model sizes ------------------------------------------------------------
+
+
+def _routed_counts(rows: int, experts: int, gen: torch.Generator) -> list[int]:
+    """Skewed routing: a few hot experts, some empty ones."""
+    weights = torch.rand(experts, generator=gen) ** 4
+    weights[:: max(1, experts // 4)] = 0
+    ids = torch.multinomial(weights, rows, replacement=True, generator=gen)
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 56, 512, 8192])
+@pytest.mark.parametrize("experts,n,k", [(8, 1536, 2048), (32, 2048, 768)])
+def test_gpu_model_sizes(rows: int, experts: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows + experts)
+    counts = _routed_counts(rows - rows // 8, experts, gen)
+    _check(rows, counts, n, k, 128, torch.bfloat16, torch.device("cuda"), calls=2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_offsets() -> None:
+    """The offsets are read on the device: a captured call follows new routing."""
+    dev = torch.device("cuda")
+    experts, n, k, rows = 16, 1536, 2048, 64
+    packed, scales = _weights(experts, n, k, 128, torch.bfloat16, dev)
+    a = torch.randn(rows, k, device=dev).to(torch.bfloat16)
+    offsets = _offsets([rows // experts] * experts, dev)
+    ws = torch.zeros(marlin_workspace_numel(dev), dtype=torch.int32, device=dev)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+    gemm = functools.partial(
+        marlin_gemm_grouped, group_size=128, size_n=n, size_k=k, out=out
+    )
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        gemm(a, packed, scales, offsets, ws)  # compile outside capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemm(a, packed, scales, offsets, ws)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        counts = _routed_counts(rows, experts, gen)
+        offsets.copy_(_offsets(counts, dev))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _reference(a, packed, scales, counts, 128)
+        assert _rel_err(out, ref) < 1e-2
+        assert int(ws.abs().sum()) == 0

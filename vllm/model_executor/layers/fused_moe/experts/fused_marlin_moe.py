@@ -1,0 +1,229 @@
+"""W4A16 (uint4, group 128) experts on this project's Marlin-style grouped GEMM.
+
+Weights are quantized and repacked once per expert
+(:meth:`MarlinExperts.from_unquantized`). Per call: ``moe_permute`` groups the
+routed rows by local expert into workspace13; grouped GEMM1 -> workspace2;
+gated activation -> workspace13; grouped GEMM2 -> workspace2;
+``moe_unpermute`` reduces into the output.
+
+CUDA tensors run the Triton kernel (:func:`marlin_gemm_grouped`: no host sync,
+capturable); CPU tensors run a reference (dequantize, one matmul per expert).
+The permute scratch and the split-K lock buffer come from the workspace
+manager inside :meth:`MarlinExperts.apply`; the object holds weights only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.kernels.marlin_gemm import marlin_gemm_grouped
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    Shape,
+    carve,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    get_moe_permute_scratch,
+    moe_permute,
+    moe_unpermute,
+)
+from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+    get_marlin_workspace,
+    marlin_dequantize,
+    marlin_quantize_and_repack,
+)
+
+GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
+
+
+def _use_kernel(a: torch.Tensor) -> bool:
+    """The Triton kernel on CUDA; CPU tensors take the reference."""
+    return a.is_cuda
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out[rows of e] = a[rows of e] @ dequant(packed[e], scales[e])^T``."""
+    size_n, size_k = packed.shape[1], a.shape[1]
+    if _use_kernel(a):
+        marlin_gemm_grouped(
+            a,
+            packed,
+            scales,
+            expert_first_token_offset,
+            workspace,
+            group_size=GROUP_SIZE,
+            size_n=size_n,
+            size_k=size_k,
+            out=out,
+        )
+        return
+    # Reference: one fp32 matmul per non-empty expert (host sync is fine here).
+    bounds = expert_first_token_offset.tolist()
+    for e in range(packed.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo < hi:
+            weight = marlin_dequantize(packed[e], scales[e], GROUP_SIZE).float()
+            out[lo:hi] = (a[lo:hi].float() @ weight.t()).to(out.dtype)
+
+
+class MarlinExperts(FusedMoEExperts):
+    """uint4 experts: permute -> GEMM1 -> activation -> GEMM2 -> unpermute.
+
+    ``w13``: packed ``[E_local, 2I, K // 8]`` int32 with scales ``[E_local,
+    K // 128, 2I]``; ``w2``: packed ``[E_local, K, I // 8]`` with scales
+    ``[E_local, I // 128, K]``; scales in ``moe.in_dtype``.
+    """
+
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        w13_packed: torch.Tensor,
+        w13_scales: torch.Tensor,
+        w2_packed: torch.Tensor,
+        w2_scales: torch.Tensor,
+    ) -> None:
+        super().__init__(moe)
+        _check_config(moe)
+        el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
+        for name, t, shape, dtype in (
+            ("w13_packed", w13_packed, (el, 2 * i, k // 8), torch.int32),
+            ("w13_scales", w13_scales, (el, k // GROUP_SIZE, 2 * i), moe.in_dtype),
+            ("w2_packed", w2_packed, (el, k, i // 8), torch.int32),
+            ("w2_scales", w2_scales, (el, i // GROUP_SIZE, k), moe.in_dtype),
+        ):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
+                )
+        self.w13_packed = w13_packed.contiguous()
+        self.w13_scales = w13_scales.contiguous()
+        self.w2_packed = w2_packed.contiguous()
+        self.w2_scales = w2_scales.contiguous()
+
+    @classmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> MarlinExperts:
+        """Quantize and repack ``w13 [E_local, 2I, K]``, ``w2 [E_local, K, I]``."""
+        _check_config(moe)
+        el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
+        for name, t, shape in (
+            ("w13", w13, (el, 2 * i, k)),
+            ("w2", w2, (el, k, i)),
+        ):
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise ValueError(
+                    f"{name}: expected a floating-point {shape} tensor, got "
+                    f"{tuple(t.shape)} {t.dtype}"
+                )
+
+        def prepare(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            per_expert = [
+                marlin_quantize_and_repack(w[e], GROUP_SIZE, moe.in_dtype)
+                for e in range(el)
+            ]
+            return (
+                torch.stack([packed for packed, _ in per_expert]),
+                torch.stack([scales for _, scales in per_expert]),
+            )
+
+        return cls(moe, *prepare(w13), *prepare(w2))
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E_local, 2I, K], w2 [E_local, K, I])`` as the kernel sees them."""
+
+        def dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+            return torch.stack(
+                [
+                    marlin_dequantize(packed[e], scales[e], GROUP_SIZE)
+                    for e in range(packed.shape[0])
+                ]
+            )
+
+        return (
+            dequant(self.w13_packed, self.w13_scales),
+            dequant(self.w2_packed, self.w2_scales),
+        )
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        itemsize = self.moe.in_dtype.itemsize
+        rows = M * topk
+        # workspace13: permuted activations, then the activation output.
+        workspace13 = rows * max(K, N // 2) * itemsize
+        # workspace2: GEMM1 output, then GEMM2 output.
+        workspace2 = rows * max(N, K) * itemsize
+        return (workspace13,), (workspace2,), (M, K)
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        if hidden_states.dtype != moe.in_dtype:
+            raise ValueError(
+                f"hidden_states: expected {moe.in_dtype}, got {hidden_states.dtype}"
+            )
+        rows, dtype, device = topk_ids.numel(), moe.in_dtype, hidden_states.device
+        k, i = moe.hidden_size, moe.intermediate_size
+        scratch = get_moe_permute_scratch(
+            num_experts=moe.num_experts,
+            num_local_experts=moe.num_local_experts,
+            device=device,
+        )
+        locks = get_marlin_workspace(device)  # this slot's and stream's
+        a_perm = carve(workspace13, (rows, k), dtype)
+        _, _, offsets, inv, _ = moe_permute(
+            hidden_states,
+            None,
+            topk_ids,
+            moe.num_experts,
+            moe.num_local_experts,
+            expert_map,
+            permuted_hidden_states=a_perm,
+            scratch=scratch,
+        )
+        gate_up = carve(workspace2, (rows, 2 * i), dtype)
+        _grouped_gemm(a_perm, self.w13_packed, self.w13_scales, offsets, locks, gate_up)
+        act = carve(workspace13, (rows, i), dtype)
+        apply_moe_activation(moe.activation, act, gate_up)
+        down = carve(workspace2, (rows, k), dtype)
+        _grouped_gemm(act, self.w2_packed, self.w2_scales, offsets, locks, down)
+        moe_unpermute(output, down, topk_weights, inv, offsets)
+
+
+def _check_config(moe: FusedMoEConfig) -> None:
+    if moe.quant_config.scheme is not QuantScheme.W4A16_UINT4:
+        raise ValueError(
+            f"quant_config: MarlinExperts runs {QuantScheme.W4A16_UINT4.value}, "
+            f"got {moe.quant_config.scheme.value}"
+        )
+    for name, size in (
+        ("hidden_size", moe.hidden_size),
+        ("intermediate_size", moe.intermediate_size),
+    ):
+        if size % GROUP_SIZE:
+            raise ValueError(f"{name}: expected a multiple of {GROUP_SIZE}, got {size}")
