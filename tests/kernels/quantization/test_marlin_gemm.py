@@ -142,7 +142,21 @@ def test_bad_workspace_is_rejected(device):
     with pytest.raises(ValueError, match="workspace"):
         marlin_op(a, packed, scales, 128, 128, 256, wrong)
     with pytest.raises(ValueError, match="max_blocks_per_sm"):
-        marlin_make_workspace_new(device, 0)
+        marlin_make_workspace_new(device, 3)
+    bigger = marlin_make_workspace_new(device, 8)
+    assert bigger.numel() == 2 * marlin_workspace_numel(device)
+    # The CPU path checks like the kernel: wrong scales and group size are named.
+    with pytest.raises(ValueError, match="scales"):
+        marlin_op(a, packed, scales[:1], 128, 128, 256)
+    with pytest.raises(ValueError, match="group_size"):
+        marlin_op(a, packed, scales, 96, 128, 256)
+    layer = MarlinLinear(256, 128, device=device)
+    layer.weight_loader(torch.randn(128, 256, device=device))
+    layer.process_weights_after_loading()
+    with pytest.raises(ValueError, match="x"):
+        layer(torch.randn(2, 128, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x"):
+        layer(a.float())
 
 
 # -- lock workspaces -------------------------------------------------------------

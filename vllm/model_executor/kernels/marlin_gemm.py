@@ -75,7 +75,11 @@ def _dequant_mma(
         + offs_n[:, None] * stride_bn
         + (k_iter0 * (BLOCK_K // 8) + offs_w)[None, :]
     )
-    a_ptrs = a_ptr + rm[None, :] * stride_am + (k_iter0 * BLOCK_K + offs_k)[:, None]
+    a_ptrs = (
+        a_ptr
+        + rm.to(tl.int64)[None, :] * stride_am
+        + (k_iter0 * BLOCK_K + offs_k)[:, None]
+    )
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(iters):
         packed = tl.load(
@@ -136,7 +140,8 @@ def _store_tile(
 ):
     """Write ``acc^T`` to C; split-K slices add into it in order under ``lock``."""
     dtype = tl.bfloat16 if IS_BF16 else tl.float16
-    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None]
+    # int64: M x N may exceed 2^31 elements (e.g. a vocabulary-sized N).
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
     c_mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT_K == 1:
         tl.store(c_ptrs, acc.to(dtype), mask=c_mask)
@@ -149,6 +154,9 @@ def _store_tile(
         while (seen != pid_k) & (seen >= 0) & (seen < SPLIT_K):
             seen = tl.load(lock, volatile=True)
         tl.atomic_add(lock, 0, sem="acquire")
+        # The acquire may be issued by one thread: order every thread's reads
+        # of the previous slice's sum after it.
+        tl.debug_barrier()
         if pid_k == 0:
             tl.store(c_ptrs, acc.to(dtype), mask=c_mask)
         else:
@@ -467,21 +475,34 @@ def _check_problem(a: torch.Tensor, group_size: int, size_n: int, size_k: int) -
 
 
 def _check_contiguous(
-    name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+    name: str,
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    device: torch.device,
 ) -> None:
-    if t.dtype != dtype or t.shape != shape or not t.is_contiguous():
+    if (
+        t.dtype != dtype
+        or t.shape != shape
+        or not t.is_contiguous()
+        or t.device != device
+    ):
         raise ValueError(
-            f"{name}: expected contiguous {dtype} {list(shape)}, got "
-            f"{t.dtype} {tuple(t.shape)}"
+            f"{name}: expected contiguous {dtype} {list(shape)} on {device}, got "
+            f"{t.dtype} {tuple(t.shape)} on {t.device}"
         )
 
 
 def _check_workspace(workspace: torch.Tensor, device: torch.device) -> None:
     need = marlin_workspace_numel(device)
-    if workspace.dtype != torch.int32 or workspace.numel() < need:
+    if (
+        workspace.dtype != torch.int32
+        or workspace.numel() < need
+        or workspace.device != device
+    ):
         raise ValueError(
-            f"workspace: expected int32 with at least {need} elements, got "
-            f"{workspace.dtype} with {workspace.numel()}"
+            f"workspace: expected int32 with at least {need} elements on {device}, "
+            f"got {workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
 
 
@@ -489,10 +510,15 @@ def _output(a: torch.Tensor, size_n: int, out: torch.Tensor | None) -> torch.Ten
     m = a.shape[0]
     if out is None:
         return torch.empty((m, size_n), dtype=a.dtype, device=a.device)
-    if out.shape != (m, size_n) or out.dtype != a.dtype or out.stride(1) != 1:
+    if (
+        out.shape != (m, size_n)
+        or out.dtype != a.dtype
+        or out.stride(1) != 1
+        or out.device != a.device
+    ):
         raise ValueError(
-            f"out: expected {a.dtype} [{m}, {size_n}] with unit stride, got "
-            f"{out.dtype} {tuple(out.shape)}"
+            f"out: expected {a.dtype} [{m}, {size_n}] with unit stride on "
+            f"{a.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
     return out
 
@@ -512,6 +538,25 @@ def _check_split(
         or tiles > workspace.numel()
     ):
         raise ValueError(f"config: split-K grid exceeds resident programs: {cfg}")
+
+
+def check_marlin_args(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    scales: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    group_size: int,
+    size_n: int,
+    size_k: int,
+) -> None:
+    """The dense GEMM's argument checks (also run by the CPU reference path)."""
+    groups = _check_problem(a, group_size, size_n, size_k)
+    _check_contiguous(
+        "b_packed", b_packed, torch.int32, (size_n, size_k // PACK), a.device
+    )
+    _check_contiguous("scales", scales, a.dtype, (groups, size_n), a.device)
+    _check_workspace(workspace, a.device)
 
 
 def marlin_gemm(
@@ -534,10 +579,15 @@ def marlin_gemm(
     :func:`marlin_workspace_numel` long. No host sync, no allocation except
     ``out`` when not given.
     """
-    groups = _check_problem(a, group_size, size_n, size_k)
-    _check_contiguous("b_packed", b_packed, torch.int32, (size_n, size_k // PACK))
-    _check_contiguous("scales", scales, a.dtype, (groups, size_n))
-    _check_workspace(workspace, a.device)
+    check_marlin_args(
+        a,
+        b_packed,
+        scales,
+        workspace,
+        group_size=group_size,
+        size_n=size_n,
+        size_k=size_k,
+    )
     out = _output(a, size_n, out)
     m = a.shape[0]
     if m == 0:
@@ -607,9 +657,9 @@ def marlin_gemm_grouped(
         )
     experts = b_packed.shape[0]
     _check_contiguous(
-        "b_packed", b_packed, torch.int32, (experts, size_n, size_k // PACK)
+        "b_packed", b_packed, torch.int32, (experts, size_n, size_k // PACK), a.device
     )
-    _check_contiguous("scales", scales, a.dtype, (experts, groups, size_n))
+    _check_contiguous("scales", scales, a.dtype, (experts, groups, size_n), a.device)
     offsets = expert_first_token_offset
     if (
         offsets.dtype != torch.int64

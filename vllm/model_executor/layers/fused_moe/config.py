@@ -25,10 +25,6 @@ class FusedMoEQuantConfig:
     scheme: QuantScheme = QuantScheme.UNQUANTIZED
 
     @property
-    def is_fp8(self) -> bool:
-        return self.scheme in (QuantScheme.FP8_PER_TOKEN, QuantScheme.FP8_BLOCK)
-
-    @property
     def prequantized(self) -> bool:
         """Activations are quantized before dispatch (block FP8 models)."""
         return self.scheme is QuantScheme.FP8_BLOCK

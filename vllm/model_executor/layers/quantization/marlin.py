@@ -94,6 +94,11 @@ class MarlinLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None or self.scales is None:
             raise RuntimeError("call process_weights_after_loading() before forward")
+        if x.shape[-1] != self.in_features or x.dtype != self.params_dtype:
+            raise ValueError(
+                f"x: expected [..., {self.in_features}] {self.params_dtype}, got "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
         return apply_marlin_linear(
             x,
             self.qweight,

@@ -29,9 +29,10 @@ def marlin_make_workspace_new(
 ) -> torch.Tensor:
     """A zeroed int32 lock buffer for up to ``max_blocks_per_sm`` tiles per SM."""
     device = torch.device(device)
-    if not 0 < max_blocks_per_sm <= kernel.MAX_TILES_PER_SM:
+    if max_blocks_per_sm < kernel.MAX_TILES_PER_SM:
         raise ValueError(
-            f"max_blocks_per_sm: expected 1..{kernel.MAX_TILES_PER_SM}, got "
+            f"max_blocks_per_sm: the kernel keeps up to {kernel.MAX_TILES_PER_SM} "
+            f"output tiles per SM in flight, expected >= that, got "
             f"{max_blocks_per_sm}"
         )
     numel = kernel.marlin_workspace_numel(device)
@@ -87,6 +88,11 @@ _lib.define(
 )
 
 
+def _resolve_workspace(a: torch.Tensor, workspace: torch.Tensor | None) -> torch.Tensor:
+    # At execution time: the running slot's and stream's buffer.
+    return get_marlin_workspace(a.device) if workspace is None else workspace
+
+
 def _marlin_gemm_cuda(
     a: torch.Tensor,
     b_q_weight: torch.Tensor,
@@ -96,13 +102,11 @@ def _marlin_gemm_cuda(
     size_n: int,
     size_k: int,
 ) -> torch.Tensor:
-    if workspace is None:
-        workspace = get_marlin_workspace(a.device)
     return kernel.marlin_gemm(
         a,
         b_q_weight,
         b_scales,
-        workspace,
+        _resolve_workspace(a, workspace),
         group_size=group_size,
         size_n=size_n,
         size_k=size_k,
@@ -118,21 +122,17 @@ def _marlin_gemm_cpu(
     size_n: int,
     size_k: int,
 ) -> torch.Tensor:
-    """The plain-PyTorch path: same workspace resolution and checks."""
-    if workspace is None:
-        workspace = get_marlin_workspace(a.device)
-    need = kernel.marlin_workspace_numel(a.device)
-    if workspace.dtype != torch.int32 or workspace.numel() < need:
-        raise ValueError(
-            f"workspace: expected int32 with at least {need} elements, got "
-            f"{workspace.dtype} with {workspace.numel()}"
-        )
+    """The plain-PyTorch path, with the same workspace resolution and checks."""
+    kernel.check_marlin_args(
+        a,
+        b_q_weight,
+        b_scales,
+        _resolve_workspace(a, workspace),
+        group_size=group_size,
+        size_n=size_n,
+        size_k=size_k,
+    )
     weight = marlin_dequantize(b_q_weight, b_scales, group_size)
-    if weight.shape != (size_n, size_k) or a.shape[-1] != size_k:
-        raise ValueError(
-            f"a, b_q_weight: expected [M, {size_k}] and [{size_n}, {size_k // 8}], "
-            f"got {tuple(a.shape)} and {tuple(b_q_weight.shape)}"
-        )
     return (a.float() @ weight.float().t()).to(a.dtype)
 
 
