@@ -221,6 +221,14 @@ def test_scales_move_with_rows(device, groups):
     _, permuted_scale, _, _, order = moe_permute(hidden_states, scale, ids, 8)
     assert permuted_scale is not None and permuted_scale.shape == (63, groups)
     torch.testing.assert_close(permuted_scale, scale[order.long() // 3], rtol=0, atol=0)
+    # Into a caller's buffer (a workspace view), rows past R untouched.
+    buffer = torch.full((70, groups), POISON, device=device)
+    _, into, *_ = moe_permute(hidden_states, scale, ids, 8, permuted_a1q_scale=buffer)
+    assert into is not None and into.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(into, scale[order.long() // 3], rtol=0, atol=0)
+    assert bool((buffer[63:] == POISON).all())
+    with pytest.raises(ValueError, match="permuted_a1q_scale"):
+        moe_permute(hidden_states, scale, ids, 8, permuted_a1q_scale=buffer[:62])
     # One token: a [1, G] scale is still per token and moves with the rows.
     _, one_scale, *_ = moe_permute(hidden_states[:1], scale[:1], ids[:1], 8)
     assert one_scale is not None and one_scale.shape == (3, groups)

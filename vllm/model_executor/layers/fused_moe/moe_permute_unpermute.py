@@ -260,6 +260,7 @@ def moe_permute(
     expert_map: torch.Tensor | None = None,
     permuted_hidden_states: torch.Tensor | None = None,
     scratch: MoEPermuteScratch | None = None,
+    permuted_a1q_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the expanded rows of ``hidden_states`` by local expert.
 
@@ -271,8 +272,10 @@ def moe_permute(
     their rows of the permuted buffer are left unwritten. ``a1q_scale`` may be
     per tensor (passed through) or per token / token group ([T, G], moved
     with the rows; 2-D means per token even with one token).
-    ``permuted_hidden_states`` (>= T * topk rows) is written
-    in place when given; the returned tensor is its first T * topk rows.
+    ``permuted_hidden_states`` (>= T * topk rows) and, for per-token scales,
+    ``permuted_a1q_scale`` (>= T * topk rows of G) are written in place when
+    given (normally workspace views); the returned tensors are their first
+    T * topk rows.
     """
     if n_local_expert == -1:
         n_local_expert = n_expert
@@ -330,9 +333,23 @@ def moe_permute(
                 _describe(a1q_scale),
             )
             row_scale = a1q_scale.contiguous()
-            permuted_scale = torch.empty(
-                rows, a1q_scale.shape[1], dtype=torch.float32, device=device
+            groups = a1q_scale.shape[1]
+            if permuted_a1q_scale is None:
+                permuted_a1q_scale = torch.empty(
+                    rows, groups, dtype=torch.float32, device=device
+                )
+            _check(
+                permuted_a1q_scale.dim() == 2
+                and permuted_a1q_scale.shape[0] >= rows
+                and permuted_a1q_scale.shape[1] == groups
+                and permuted_a1q_scale.dtype == torch.float32
+                and permuted_a1q_scale.device == device
+                and permuted_a1q_scale.is_contiguous(),
+                "permuted_a1q_scale",
+                f"a contiguous [>= {rows}, {groups}] fp32 tensor on {device}",
+                _describe(permuted_a1q_scale),
             )
+            permuted_scale = permuted_a1q_scale[:rows]
 
     scratch = _scratch_for(scratch, n_expert, n_local_expert, device)
     offsets, inv, permuted_idx = _sort_routes(topk_ids, expert_map, scratch)

@@ -13,10 +13,7 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
-from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
-    _round_up,
-    grouped_mm,
-)
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import grouped_mm
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
@@ -31,6 +28,7 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     FP8_DTYPE,
     per_channel_quant_fp8,
 )
+from vllm.v1.worker.workspace import align_up
 
 
 class CutlassExpertsFp8(FusedMoEExperts):
@@ -94,10 +92,8 @@ class CutlassExpertsFp8(FusedMoEExperts):
         rows = M * topk
         # workspace13: fp8 rows + row scales, first of the M input tokens,
         # then of the R activation rows.
-        workspace13 = max(
-            _round_up(M * K) + M * 4, _round_up(rows * (N // 2)) + rows * 4
-        )
-        workspace2 = rows * K  # permuted fp8 activations
+        workspace13 = max(align_up(M * K) + M * 4, align_up(rows * (N // 2)) + rows * 4)
+        workspace2 = align_up(rows * K) + rows * 4  # permuted fp8 rows + scales
         return (workspace13,), (workspace2,), (M, K)
 
     def apply(
@@ -122,11 +118,14 @@ class CutlassExpertsFp8(FusedMoEExperts):
         num_tokens, hidden = hidden_states.shape
         a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
         a_scale = carve(
-            workspace13, (num_tokens,), torch.float32, _round_up(a_q.numel())
+            workspace13, (num_tokens,), torch.float32, align_up(a_q.numel())
         )
         quant_rows_fp8(hidden_states, a_q, a_scale)
         a_perm = carve(workspace2, (rows, hidden), FP8_DTYPE)
-        _, a_perm_scale, offsets, inv, _ = moe_permute(
+        a_perm_scale = carve(
+            workspace2, (rows, 1), torch.float32, align_up(a_perm.numel())
+        )
+        _, _, offsets, inv, _ = moe_permute(
             a_q,
             a_scale.view(num_tokens, 1),
             topk_ids,
@@ -135,13 +134,13 @@ class CutlassExpertsFp8(FusedMoEExperts):
             expert_map,
             permuted_hidden_states=a_perm,
             scratch=scratch,
+            permuted_a1q_scale=a_perm_scale,
         )
-        assert a_perm_scale is not None
         gate_up = grouped_mm(
             a_perm, self.w13, offsets, a_perm_scale.view(-1), self.w13_scale, out_dtype
         )
         act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
-        act_scale = carve(workspace13, (rows,), torch.float32, _round_up(act_q.numel()))
+        act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
         quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
         down = grouped_mm(act_q, self.w2, offsets, act_scale, self.w2_scale, out_dtype)
         moe_unpermute(output, down, topk_weights, inv, offsets)

@@ -40,6 +40,7 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_unpermute,
 )
 from vllm.v1.worker.workspace import (
+    align_up,
     current_workspace_manager,
     is_workspace_manager_initialized,
 )
@@ -47,7 +48,6 @@ from vllm.v1.worker.workspace import (
 _FP8 = torch.float8_e4m3fn
 _GEMM_TYPE = "grouped_contiguous"
 _COMPUTE_CONFIG = json.dumps({"gemm_type": _GEMM_TYPE})
-_ALIGN = 256  # start of the scale view inside a workspace (bytes)
 
 # Humming pads N and K of the repacked weights; activations keep the real K.
 _PAD_N = 256
@@ -97,10 +97,6 @@ _SCHEMES = {
 }
 
 _HUMMING_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
 
 
 def _require_humming() -> None:
@@ -253,7 +249,7 @@ class _HummingGemm:
 
     def input_nbytes(self, rows: int) -> int:
         data = rows * self.shape_k * self.input_dtype.itemsize
-        return _round_up(data, _ALIGN) + rows * self.input_groups() * 4
+        return align_up(data) + rows * self.input_groups() * 4
 
     def input_views(
         self, workspace: torch.Tensor, rows: int
@@ -263,7 +259,7 @@ class _HummingGemm:
         groups = self.input_groups()
         if not groups:
             return data, None
-        offset = _round_up(data.nbytes, _ALIGN)
+        offset = align_up(data.nbytes)
         return data, carve(workspace, (rows, groups), torch.float32, offset)
 
     def scale_kwargs(self, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -441,6 +437,7 @@ class HummingGroupedExperts(FusedMoEExperts):
                 expert_map,
                 permuted_hidden_states=in1,
                 scratch=scratch,
+                permuted_a1q_scale=in1_scale,
             )
         else:
             offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)

@@ -22,12 +22,6 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_unpermute,
 )
 
-ALIGNMENT = 256  # byte alignment of the second view inside a workspace
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
 
 def grouped_mm(
     a: torch.Tensor,
