@@ -3,6 +3,10 @@
 #   scripts/run_gpu_checks.sh [pytest selection...]
 # Installs wheels carried in .whl/ first (e.g. humming-kernels), writes logs
 # under $OUT when set (else ./out), and ends with a summary table.
+# Knobs: SKIP_TESTS=1, GPU_BENCHMARKS="<files>" (empty: none),
+# SKIP_MEMORY_REPORT=1, TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
+# PYTEST_WORKERS (8). The whole run takes more than one 10-minute device
+# command: run the tests and the benchmarks as two commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -37,14 +41,18 @@ workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-8}")
 if [ -z "${SKIP_TESTS:-}" ]; then
     # The whole suite: on CUDA the `device` fixture runs the shared tests on
-    # the GPU too, a superset of `-m gpu`.
-    step gpu-tests "$LOG/gpu_tests.log" python3 -m pytest -q -p no:cacheprovider \
+    # the GPU too, a superset of `-m gpu`. Bounded, and its xdist workers are
+    # killed afterwards so no straggler shares the GPU with the benchmarks.
+    step gpu-tests "$LOG/gpu_tests.log" timeout -k 10 "${TEST_TIMEOUT_S:-480}" \
+        python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
         "${workers[@]}" "${@:-tests}"
+    pkill -9 -f "sys.stdin.readline|pytest" 2>/dev/null || true
 fi
 for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     [ -f "$bench" ] || continue
     name="$(basename "$bench" .py)"
-    step "$name" "$LOG/benchmarks.log" python3 -m "benchmarks.kernels.$name" --output-json "$LOG/$name.json"
+    step "$name" "$LOG/benchmarks.log" timeout -k 5 "${BENCH_TIMEOUT_S:-150}" \
+        python3 -m "benchmarks.kernels.$name" --output-json "$LOG/$name.json"
 done
 if [ -z "${SKIP_MEMORY_REPORT:-}" ]; then
     step moe-memory-report "$LOG/benchmarks.log" python3 -m benchmarks.moe_memory_report \
