@@ -149,7 +149,8 @@ def _store_tile(
         # Spin on plain (volatile) loads, which do not queue at the L2 atomic
         # unit like RMWs do, then acquire once. A counter outside 0..SPLIT_K-1
         # cannot come from this protocol (the buffer was not zero at launch):
-        # go on rather than spin forever.
+        # go on rather than spin forever. One inside that range silently
+        # reorders the slices: the buffer must be zero at launch.
         seen = tl.load(lock, volatile=True)
         while (seen != pid_k) & (seen >= 0) & (seen < SPLIT_K):
             seen = tl.load(lock, volatile=True)
