@@ -5,7 +5,8 @@ GEMM1, activation, GEMM2, unpermute; routing given) timed under CUDA-graph
 replay, its TFLOP/s, and the share of time outside the GEMMs, taken as
 1 - (the same two grouped GEMMs alone on the same permuted data) / (layer).
 The GEMMs alone are ``torch._grouped_mm`` (bf16) or ``_scaled_grouped_mm``
-(fp8). Humming runs when it is installed, compared with the bf16 GEMMs.
+(fp8). The W4A16 backends (Marlin; Humming when installed) are compared with
+the bf16 GEMMs.
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
 """
@@ -44,7 +45,10 @@ BACKENDS = {
     "grouped_mm": QuantScheme.UNQUANTIZED,
     "cutlass": QuantScheme.FP8_PER_TOKEN,
     "humming": QuantScheme.W4A16_UINT4,
+    "marlin": QuantScheme.W4A16_UINT4,
 }
+# W4A16 backends: their GEMMs are compared with the bf16 grouped GEMMs.
+W4A16_BACKENDS = ("humming", "marlin")
 
 
 @dataclass
@@ -113,7 +117,7 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     layer_us = timer(layer_step)
     gemm_us = timer(gemm_step)
     flops = 6 * tokens * moe.experts_per_token * k * i
-    share = None if backend == "humming" else max(0.0, 1 - gemm_us / layer_us)
+    share = None if backend in W4A16_BACKENDS else max(0.0, 1 - gemm_us / layer_us)
     return Row(
         backend, tokens, layer_us, flops / (layer_us * 1e-6) / 1e12, gemm_us, share
     )
@@ -138,7 +142,7 @@ def main() -> None:
     tokens = args.tokens or ([1, 64, 1024, 8192] if cuda else [1, 16])
     dims = (args.num_experts, args.topk, args.hidden_size, args.intermediate_size)
     if not cuda:
-        dims = (16, 4, 128, 64)  # the reference loops at small sizes
+        dims = (16, 4, 128, 128)  # the reference loops at small sizes
     torch.manual_seed(0)
     torch.set_grad_enabled(False)
     reset_workspace_manager()
