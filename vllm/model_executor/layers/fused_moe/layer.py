@@ -61,7 +61,12 @@ def make_experts(
 
 
 class FusedMoE(nn.Module):
-    """Routed experts of one decoder layer (one expert-parallel rank)."""
+    """Routed experts of one decoder layer (one expert-parallel rank).
+
+    Create it on its device: the prepared experts are plain tensors of the
+    experts object, not module parameters, so ``.to()`` after
+    ``process_weights_after_loading`` does not move them.
+    """
 
     def __init__(
         self,

@@ -17,6 +17,10 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    MoEPermuteScratch,
+    get_moe_permute_scratch,
+)
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     per_token_group_quant_fp8,
 )
@@ -99,6 +103,15 @@ class FusedMoEExperts(ABC):
         """(workspace13, workspace2, output) shapes in ``workspace_dtype``
         elements (output in the activation dtype) for M tokens, w13 with N
         rows and hidden size K."""
+
+    def permute_scratch(self, device: torch.device) -> MoEPermuteScratch:
+        """The running slot's shared permute scratch; call it inside
+        :meth:`apply`, never keep it (another slot may run next)."""
+        return get_moe_permute_scratch(
+            num_experts=self.moe.num_experts,
+            num_local_experts=self.moe.num_local_experts,
+            device=device,
+        )
 
     def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         return torch.uint8  # byte workspaces: experts carve typed views

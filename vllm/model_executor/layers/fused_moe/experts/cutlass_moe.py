@@ -20,7 +20,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     carve,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
-    get_moe_permute_scratch,
     moe_permute,
     moe_unpermute,
 )
@@ -110,11 +109,7 @@ class CutlassExpertsFp8(FusedMoEExperts):
         moe = self.moe
         rows, inter = topk_ids.numel(), moe.intermediate_size
         out_dtype = output.dtype
-        scratch = get_moe_permute_scratch(
-            num_experts=moe.num_experts,
-            num_local_experts=moe.num_local_experts,
-            device=hidden_states.device,
-        )
+        scratch = self.permute_scratch(hidden_states.device)
         num_tokens, hidden = hidden_states.shape
         a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
         a_scale = carve(

@@ -34,7 +34,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     carve,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
-    get_moe_permute_scratch,
     moe_permute,
     moe_prepare_scatter,
     moe_unpermute,
@@ -419,11 +418,7 @@ class HummingGroupedExperts(FusedMoEExperts):
         if rows == 0:
             return  # no rows: humming's kernel table has no interval for M=0
         device = hidden_states.device
-        scratch = get_moe_permute_scratch(
-            num_experts=moe.num_experts,
-            num_local_experts=moe.num_local_experts,
-            device=device,
-        )
+        scratch = self.permute_scratch(device)
         gemm1, gemm2 = self.gemm1, self.gemm2
         in1, in1_scale = gemm1.input_views(workspace13, rows)
         if moe.quant_config.prequantized:

@@ -25,7 +25,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     carve,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
-    get_moe_permute_scratch,
     moe_permute,
     moe_unpermute,
 )
@@ -189,11 +188,7 @@ class MarlinExperts(FusedMoEExperts):
             )
         rows, dtype, device = topk_ids.numel(), moe.in_dtype, hidden_states.device
         k, i = moe.hidden_size, moe.intermediate_size
-        scratch = get_moe_permute_scratch(
-            num_experts=moe.num_experts,
-            num_local_experts=moe.num_local_experts,
-            device=device,
-        )
+        scratch = self.permute_scratch(device)
         locks = get_marlin_workspace(device)  # this slot's and stream's
         a_perm = carve(workspace13, (rows, k), dtype)
         _, _, offsets, inv, _ = moe_permute(

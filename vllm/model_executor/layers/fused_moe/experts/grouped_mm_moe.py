@@ -17,7 +17,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     carve,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
-    get_moe_permute_scratch,
     moe_permute,
     moe_unpermute,
 )
@@ -127,11 +126,7 @@ class GroupedMMExperts(FusedMoEExperts):
     ) -> None:
         moe = self.moe
         rows, dtype = topk_ids.numel(), hidden_states.dtype
-        scratch = get_moe_permute_scratch(
-            num_experts=moe.num_experts,
-            num_local_experts=moe.num_local_experts,
-            device=hidden_states.device,
-        )
+        scratch = self.permute_scratch(hidden_states.device)
         a_perm = carve(workspace13, (rows, moe.hidden_size), dtype)
         _, _, offsets, inv, _ = moe_permute(
             hidden_states,
