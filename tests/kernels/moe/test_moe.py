@@ -27,6 +27,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     MoEPrepareAndFinalizeNoEP,
 )
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.utils import named_tensors
 from vllm.v1.worker.ubatching import run_ubatches
 from vllm.v1.worker.workspace import (
     init_workspace_manager,
@@ -223,9 +224,18 @@ def test_eight_layers_four_slots_four_scratches(device):
         reset_workspace_manager()
 
 
-@pytest.mark.parametrize("backend", list(SCHEMES))
+RELOAD_SCHEMES = {**SCHEMES, "marlin": QuantScheme.W4A16_UINT4}
+
+
+@pytest.mark.parametrize("backend", list(RELOAD_SCHEMES))
 def test_reload_after_lock(workspace_init, device, backend):
-    moe = moe_config(device, scheme=SCHEMES[backend], experts_per_token=2)
+    # Marlin keeps its weights in nested objects and needs 128-multiples.
+    moe = moe_config(
+        device,
+        scheme=RELOAD_SCHEMES[backend],
+        experts_per_token=2,
+        intermediate_size=128,
+    )
     layer = make_layer(moe, device, backend, seed=1)
     hidden = torch.randn(12, moe.hidden_size, device=device, dtype=moe.in_dtype)
     logits = torch.randn(12, moe.num_experts, device=device)
@@ -233,7 +243,8 @@ def test_reload_after_lock(workspace_init, device, backend):
     bytes_before = workspace_init.memory_report().total_bytes
     assert layer.kernel is not None
     experts = layer.kernel.experts
-    storage = {k: v.data_ptr() for k, v in vars(experts).items() if torch.is_tensor(v)}
+    storage = {k: v.data_ptr() for k, v in named_tensors(experts)}
+    assert storage
     workspace_init.lock()
     load_random_weights(layer, seed=2)
     layer.process_weights_after_loading()  # rebuilds the experts
@@ -241,9 +252,7 @@ def test_reload_after_lock(workspace_init, device, backend):
     # The new weights went into the old storage (graphs captured before the
     # reload keep reading valid, now updated, weights).
     assert layer.kernel.experts is experts
-    assert {
-        k: v.data_ptr() for k, v in vars(experts).items() if torch.is_tensor(v)
-    } == storage
+    assert {k: v.data_ptr() for k, v in named_tensors(experts)} == storage
     assert workspace_init.memory_report().total_bytes == bytes_before
     assert relative_error(after, before.double().cpu()) > 0.1  # new weights in use
     fresh = make_layer(moe, device, backend, seed=2)
@@ -289,9 +298,9 @@ def test_compile_fullgraph_matches_eager(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", list(SCHEMES))
+@pytest.mark.parametrize("backend", list(RELOAD_SCHEMES))
 def test_graph_captured_before_reload_uses_new_weights(workspace_init, backend):
-    moe = moe_config("cuda", scheme=SCHEMES[backend])
+    moe = moe_config("cuda", scheme=RELOAD_SCHEMES[backend])
     layer = make_layer(moe, "cuda", backend, seed=6)
     hidden = torch.randn(32, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
     logits = torch.randn(32, moe.num_experts, device="cuda")
@@ -365,6 +374,21 @@ def test_bad_configs(device):
         CutlassExpertsFp8.from_unquantized(fp8, w13, w2)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(moe, prefix="bad.backend", backend="triton", device=device)
+
+
+def test_missing_expert_shards_are_refused(device):
+    moe = moe_config(device, experts_per_token=2)
+    layer = FusedMoE(moe, prefix=f"test.partial.{next(_layer_ids)}", device=device)
+    load_random_weights(layer, seed=0)
+    layer.process_weights_after_loading()  # complete: fine
+    fp8 = moe_config(device, scheme=QuantScheme.FP8_PER_TOKEN, experts_per_token=2)
+    layer = FusedMoE(fp8, prefix=f"test.partial.{next(_layer_ids)}", device=device)
+    k, i = fp8.hidden_size, fp8.intermediate_size
+    for e in range(fp8.num_experts):
+        layer.weight_loader(torch.randn(i, k, device=device), "w1", e)
+        layer.weight_loader(torch.randn(k, i, device=device), "w2", e)
+    with pytest.raises(ValueError, match="expert shards were not loaded"):
+        layer.process_weights_after_loading()  # every w3 is missing
 
 
 def test_bad_inputs_are_named(workspace_init, device):

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from vllm.v1.worker import workspace as ws
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id, run_ubatches
+from vllm.v1.worker.ubatching import (
+    dbo_current_ubatch_id,
+    run_ubatches,
+    ubatch_context,
+)
 from vllm.v1.worker.workspace import (
     ALIGNMENT,
     WorkspaceLockedError,
@@ -269,6 +273,17 @@ def test_lane_restored_and_new_threads_start_on_lane_zero(multi_slot):
         assert current_workspace_lane() == 1
     assert current_workspace_lane() == 0
     assert seen == [0]
+
+
+def test_ubatch_context_restores_the_previous_id(multi_slot):
+    with ubatch_context(1):
+        assert dbo_current_ubatch_id() == 1
+        with ubatch_context(0):
+            assert dbo_current_ubatch_id() == 0
+        assert dbo_current_ubatch_id() == 1
+    assert dbo_current_ubatch_id() == 0
+    (view,) = multi_slot.get_simultaneous(((4,), torch.float32))  # slot lookup works
+    assert view.numel() == 4
 
 
 def test_ubatch_threads_inherit_the_callers_lane(multi_slot):

@@ -13,12 +13,14 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-_state = threading.local()
+# A context variable, like the workspace lane: a new thread starts outside any
+# ubatch, and leaving a context restores exactly what was there before.
+_ubatch_id: contextvars.ContextVar[int] = contextvars.ContextVar("ubatch_id", default=0)
 
 
 def dbo_current_ubatch_id() -> int:
     """The running thread's ubatch id; 0 outside micro-batch overlap."""
-    return getattr(_state, "ubatch_id", 0)
+    return _ubatch_id.get()
 
 
 @contextmanager
@@ -26,12 +28,11 @@ def ubatch_context(ubatch_id: int) -> Iterator[None]:
     """Run the body as micro-batch ``ubatch_id`` on the current thread."""
     if ubatch_id < 0:
         raise ValueError(f"ubatch_id must be >= 0, got {ubatch_id}")
-    previous = getattr(_state, "ubatch_id", None)
-    _state.ubatch_id = ubatch_id
+    token = _ubatch_id.set(ubatch_id)
     try:
         yield
     finally:
-        _state.ubatch_id = previous
+        _ubatch_id.reset(token)
 
 
 def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:

@@ -20,13 +20,14 @@ import os
 import sys
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from vllm import envs
 from vllm.logger import init_logger
+from vllm.utils import named_tensors
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 logger = init_logger(__name__)
@@ -87,41 +88,14 @@ def _stream_key(device: torch.device) -> Hashable:
 def tensor_storage_bytes(obj: object) -> int:
     """Bytes of the distinct tensor storages reachable from ``obj``.
 
-    Follows tensors, lists, tuples, dicts, dataclasses and plain attributes,
-    counting each storage once, so an object holding views of one buffer is
+    Counts each storage once, so an object holding views of one buffer is
     not counted twice.
     """
-    seen_storages: set[tuple[str, int]] = set()
-    seen_objects: set[int] = set()
-    total = 0
-
-    def visit(o: object) -> None:
-        nonlocal total
-        if isinstance(o, torch.Tensor):
-            storage = o.untyped_storage()
-            key = (str(o.device), storage.data_ptr())
-            if storage.nbytes() and key not in seen_storages:
-                seen_storages.add(key)
-                total += storage.nbytes()
-            return
-        if id(o) in seen_objects or isinstance(o, (str, bytes, int, float, bool)):
-            return
-        seen_objects.add(id(o))
-        if isinstance(o, dict):
-            children: Any = o.values()
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            children = o
-        elif is_dataclass(o) and not isinstance(o, type):
-            children = (getattr(o, f.name) for f in fields(o))
-        elif hasattr(o, "__dict__"):
-            children = vars(o).values()
-        else:
-            return
-        for child in children:
-            visit(child)
-
-    visit(obj)
-    return total
+    storages = {
+        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for _, t in named_tensors(obj)
+    }
+    return sum(storages.values())
 
 
 @dataclass

@@ -25,6 +25,10 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 )
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 from vllm.model_executor.utils import copy_tensors_in_place
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    is_workspace_manager_initialized,
+)
 
 BACKENDS = ("auto", "grouped_mm", "cutlass", "humming", "marlin")
 
@@ -120,6 +124,9 @@ class FusedMoE(nn.Module):
             ),
             requires_grad=False,
         )
+        # Fresh weights are uninitialized: every local shard must be loaded
+        # before they are prepared.
+        self._unloaded = {(e, shard) for e in range(el) for shard in ("w1", "w2", "w3")}
 
     def weight_loader(
         self, loaded_weight: torch.Tensor, shard_id: str, expert_id: int
@@ -155,6 +162,7 @@ class FusedMoE(nn.Module):
                 f"{tuple(loaded_weight.shape)}"
             )
         target.copy_(loaded_weight)
+        self._unloaded.discard((local, shard_id))
 
     def process_weights_after_loading(self) -> None:
         """Quantize/repack into the backend's experts.
@@ -164,14 +172,29 @@ class FusedMoE(nn.Module):
         """
         if self.w13_weight is None or self.w2_weight is None:
             raise RuntimeError(f"{self.layer_name}: no weights loaded")
+        if self._unloaded:
+            missing = sorted(self._unloaded)
+            raise ValueError(
+                f"{self.layer_name}: {len(missing)} expert shards were not loaded "
+                f"(local expert, shard), e.g. {missing[:4]}"
+            )
         experts = make_experts(
             self.moe, self.w13_weight.data, self.w2_weight.data, self.backend
         )
-        # A reload copies into the live weights when the layout is unchanged,
-        # so graphs captured before it keep pointing at valid storage.
-        if self.kernel is None or not copy_tensors_in_place(
-            self.kernel.experts, experts
-        ):
+        # A reload copies into the live weights, so graphs captured before it
+        # keep pointing at valid storage; after lock (graphs captured) a
+        # reload that would need new storage is refused.
+        if self.kernel is None:
+            self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+        elif not copy_tensors_in_place(self.kernel.experts, experts):
+            if (
+                is_workspace_manager_initialized()
+                and current_workspace_manager().is_locked()
+            ):
+                raise RuntimeError(
+                    f"{self.layer_name}: the reloaded weights do not fit the live "
+                    f"weight storage that captured graphs use"
+                )
             self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
         if not isinstance(self.kernel.experts, GroupedMMExperts):
             self.w13_weight = self.w2_weight = None

@@ -1,0 +1,42 @@
+"""Helpers shared across the package."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+
+
+def named_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``obj``, with its attribute path.
+
+    Follows lists, tuples, dicts, dataclasses and plain attributes (each
+    object once), e.g. ``("gemm1.weight", tensor)`` for a tensor held by an
+    object held by ``obj``.
+    """
+    seen: set[int] = set()
+
+    def visit(o: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(o, torch.Tensor):
+            yield path, o
+            return
+        if id(o) in seen or isinstance(o, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(o))
+        children: Any
+        if isinstance(o, dict):
+            children = o.items()
+        elif isinstance(o, (list, tuple)):
+            children = enumerate(o)
+        elif is_dataclass(o):
+            children = ((f.name, getattr(o, f.name)) for f in fields(o))
+        elif hasattr(o, "__dict__"):
+            children = vars(o).items()
+        else:
+            return
+        for key, child in children:
+            yield from visit(child, f"{path}.{key}" if path else str(key))
+
+    yield from visit(obj, prefix)
