@@ -46,7 +46,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     step gpu-tests "$LOG/gpu_tests.log" timeout -k 10 "${TEST_TIMEOUT_S:-480}" \
         python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
         "${workers[@]}" "${@:-tests}"
-    pkill -9 -f "sys.stdin.readline|pytest" 2>/dev/null || true
+    pkill -9 -f 'sys[.]stdin[.]readline' 2>/dev/null || true  # execnet/xdist workers
 fi
 for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     [ -f "$bench" ] || continue

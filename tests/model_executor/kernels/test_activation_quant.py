@@ -45,7 +45,8 @@ def test_fp8_quant_matches_reference(device, activation, rows, cols):
     scale = torch.full((rows,), POISON, device=device)
     act_and_quant(x, q, activation, scale)
     ref_q, ref_scale = per_token_quant_fp8(reference(x, activation))
-    torch.testing.assert_close(scale, ref_scale.view(-1), rtol=1e-6, atol=0)
+    # The compiled kernel may use approximate division: a few ulp.
+    torch.testing.assert_close(scale, ref_scale.view(-1), rtol=4e-6, atol=0)
     # Rounding may differ by one fp8 step (2^-3 relative for e4m3; 2^-9 of
     # the scale for subnormals): the kernel multiplies by the reciprocal.
     deq = q.float() * scale[:, None]

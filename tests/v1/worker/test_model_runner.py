@@ -46,7 +46,7 @@ def test_lifecycle_and_reload_after_lock(checkpoints, device):
     first, second = checkpoints
     reset_workspace_manager()
     try:
-        runner = ModelRunner(first, device, capture_sizes=(1, 4, 16))
+        runner = ModelRunner(first, device, capture_sizes=(1, 4, 16), prefix="runner")
         runner.load_model()
         with pytest.raises(RuntimeError, match="warmup"):
             runner.execute(torch.zeros(1, dtype=torch.long, device=device))

@@ -147,6 +147,20 @@ def test_lock_blocks_growth_not_reuse_and_unlock_restores(workspace_init):
     assert grown.numel() == 257
 
 
+def test_resources_made_under_inference_mode_stay_updatable(workspace_init):
+    with torch.inference_mode():  # as a runner's warm-up
+        (view,) = workspace_init.get_simultaneous(((8,), torch.float32))
+        locks = workspace_init.get_persistent("locks", (4,), torch.int32)
+        box = workspace_init.get_persistent_resource("box", lambda: [torch.ones(2)])
+    # Outside inference mode: no "inference tensor" error on what persists
+    # (views are per call: a later call hands out fresh ones).
+    locks.zero_()
+    box[0].add_(1)
+    (again,) = workspace_init.get_simultaneous(((8,), torch.float32))
+    again.fill_(1.0)
+    assert again.data_ptr() == view.data_ptr() and not locks.is_inference()
+
+
 # -- persistent resources ----------------------------------------------------
 
 

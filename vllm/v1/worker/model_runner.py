@@ -46,6 +46,7 @@ class ModelRunner:
     device: torch.device
     capture_sizes: tuple[int, ...] = (1, 8, 32)
     backend: str = "auto"
+    prefix: str = "model"  # layer names; unique per runner in a process
     model: MoEDecoder | None = None
     graphs: dict[int, _Graph] = field(default_factory=dict)
 
@@ -72,7 +73,9 @@ class ModelRunner:
         config = MoEDecoderConfig.from_json(self.model_dir / "config.json")
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device)
-        self.model = MoEDecoder(config, backend=self.backend, device=self.device)
+        self.model = MoEDecoder(
+            config, prefix=self.prefix, backend=self.backend, device=self.device
+        )
         self.model.load_weights(load_checkpoint(self.model_dir).items())
         self.model.process_weights_after_loading()
 
@@ -86,19 +89,21 @@ class ModelRunner:
         """Run every capture size (largest first), capture graphs, lock."""
         model = self._model()
         vocab = model.config.vocab_size
-        if self.stream is not None:
+        if self.stream is not None:  # weights were prepared on the current stream
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in self.capture_sizes:
-            ids = torch.randint(0, vocab, (size,), device=self.device)
-            with self._on_stream():
-                model(ids)
+            with self._on_stream():  # inputs made and used on one stream
+                model(torch.randint(0, vocab, (size,), device=self.device))
         if self.stream is not None:
-            self.stream.synchronize()
+            pool = None  # one memory pool for all sizes, largest captured first
             for size in self.capture_sizes:
-                ids = torch.randint(0, vocab, (size,), device=self.device)
+                with self._on_stream():
+                    ids = torch.zeros(size, dtype=torch.long, device=self.device)
+                self.stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream):
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                     logits = model(ids)
+                pool = graph.pool()
                 self.graphs[size] = _Graph(graph, ids, logits)
         self.manager.lock()
         self.warmed = True

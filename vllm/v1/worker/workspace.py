@@ -38,6 +38,9 @@ ALIGNMENT = 256
 """Byte alignment of every view handed out by ``get_simultaneous``."""
 
 AllocContext = Callable[[], AbstractContextManager[Any]]
+# Allocations run with inference mode off: warm-up often runs under
+# torch.inference_mode(), and inference tensors could not be updated in
+# place later outside it.
 
 
 class WorkspaceLockedError(AssertionError):
@@ -320,7 +323,7 @@ class WorkspaceManager:
             )
         # Release the old block first so the allocator can reuse it.
         slot.arena = None
-        with self._alloc_context():
+        with self._alloc_context(), torch.inference_mode(False):
             arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             misalignment = arena.data_ptr() % ALIGNMENT
             if misalignment:  # the CUDA allocator aligns; CPU may not
@@ -353,7 +356,7 @@ class WorkspaceManager:
             pass
         if self._growth_forbidden():
             raise self._locked_error(slot, f"a new persistent resource {full_key!r}")
-        with self._alloc_context():
+        with self._alloc_context(), torch.inference_mode(False):
             value = factory()
         slot.objects[full_key] = value
         if envs.debug_workspace():
@@ -396,7 +399,7 @@ class WorkspaceManager:
             raise self._locked_error(
                 slot, f"a new persistent tensor {full_key!r} of {shape} {dtype}"
             )
-        with self._alloc_context():
+        with self._alloc_context(), torch.inference_mode(False):
             factory = torch.zeros if zero_init else torch.empty
             tensor = factory(shape, dtype=dtype, device=self.device)
         slot.tensors[full_key] = tensor

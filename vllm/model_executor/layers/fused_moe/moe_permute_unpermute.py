@@ -79,15 +79,11 @@ class MoEPermuteScratch:
         # Release the old blocks first so the allocator can reuse them.
         self.inv_permuted_idx = self.permuted_idx = self.sort_workspace = None  # type: ignore[assignment]
         sort_numel = kernels.sort_workspace_numel(expanded_rows, self.num_local_experts)
-        self.inv_permuted_idx = torch.empty(
-            expanded_rows, dtype=torch.int32, device=self.device
-        )
-        self.permuted_idx = torch.empty(
-            expanded_rows, dtype=torch.int32, device=self.device
-        )
-        self.sort_workspace = torch.empty(
-            sort_numel, dtype=torch.int32, device=self.device
-        )
+        with torch.inference_mode(False):  # as the manager's allocations
+            self.inv_permuted_idx, self.permuted_idx, self.sort_workspace = (
+                torch.empty(n, dtype=torch.int32, device=self.device)
+                for n in (expanded_rows, expanded_rows, sort_numel)
+            )
         self.capacity = expanded_rows
 
     def nbytes(self) -> int:
