@@ -45,3 +45,6 @@ def test_checkpoint_names_are_checked(tmp_path, device):
     bad = {"layers.0.mlp.experts.0.fused_proj.weight": weights["norm.weight"]}
     with pytest.raises(ValueError, match="unknown expert projection"):
         model.load_weights(bad.items())
+    partial = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    with pytest.raises(ValueError, match="lacks"):
+        model.load_weights(partial.items())

@@ -130,8 +130,12 @@ class MoEDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors; expert shards go through FusedMoE's loader."""
-        params = dict(self.named_parameters())
+        """Load a whole checkpoint; expert shards go through FusedMoE's loader
+        (which checks that every shard arrived), the rest must all be there."""
+        params = {
+            name: p for name, p in self.named_parameters() if ".experts." not in name
+        }
+        loaded: set[str] = set()
         for name, tensor in weights:
             parts = name.split(".")
             if len(parts) == 7 and parts[2:4] == ["mlp", "experts"]:
@@ -142,12 +146,16 @@ class MoEDecoder(nn.Module):
                     raise ValueError(f"weights: unknown expert projection in {name!r}")
                 layer.experts.weight_loader(tensor, _SHARDS[parts[5]], int(parts[4]))
                 continue
-            target = params.get(name.replace(".mlp.gate.", ".router."))
+            param_name = name.replace(".mlp.gate.", ".router.")
+            target = params.get(param_name)
             if target is None or target.shape != tensor.shape:
                 raise ValueError(
                     f"weights: {name!r} {tuple(tensor.shape)} matches no parameter"
                 )
             target.data.copy_(tensor)
+            loaded.add(param_name)
+        if missing := sorted(params.keys() - loaded):
+            raise ValueError(f"weights: the checkpoint lacks {missing[:4]} ...")
 
     def process_weights_after_loading(self) -> None:
         for layer in self.layers:

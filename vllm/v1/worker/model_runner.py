@@ -5,6 +5,10 @@ run (largest first) -> capture CUDA graphs on the warm-up stream -> lock.
 After that nothing may ask for new workspace: execution replays the graphs
 (or runs eagerly on CPU), and a weight reload copies new weights into the
 live storage, so the captured graphs keep working and read them.
+
+Lock buffers of the Marlin and Humming experts are per stream: after lock,
+an eager run of those backends works only on the warm-up stream; graph
+replays work from any stream.
 """
 
 from __future__ import annotations
