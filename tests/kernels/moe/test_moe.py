@@ -316,9 +316,11 @@ def test_graph_captured_before_reload_uses_new_weights(workspace_init, backend):
     load_random_weights(layer, seed=7)
     layer.process_weights_after_loading()
     graph.replay()
-    torch.cuda.synchronize()
     fresh = make_layer(moe, "cuda", backend, seed=7)
-    torch.testing.assert_close(out, fresh(hidden, logits), rtol=0, atol=0)
+    with torch.cuda.stream(stream):  # per-stream lock buffers exist only here
+        expected = fresh(hidden, logits)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
