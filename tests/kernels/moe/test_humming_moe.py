@@ -194,16 +194,20 @@ def test_prequantized_fp8_permutes_into_workspace13(
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         permuted.append(kwargs["permuted_hidden_states"])
+        permuted.append(kwargs["permuted_a1q_scale"])
         return moe_permute(*args, **kwargs)
 
     monkeypatch.setattr(fused_humming_moe, "moe_permute", spy)
     experts, w13, w2 = cached_experts(QuantScheme.FP8_BLOCK, False)
     assert run_and_check(experts, w13, w2, 64, 2) < TOLERANCE[QuantScheme.FP8_BLOCK]
-    (buffer,) = permuted
+    buffer, scales = permuted
     (workspace13,) = record_workspaces
     assert buffer.dtype == torch.float8_e4m3fn
     assert buffer.shape == (64 * 2, HIDDEN)
     assert _inside(buffer, workspace13)
+    # The 1x128 group scales move with their rows, into workspace13 as well.
+    assert scales.dtype == torch.float32 and scales.shape == (64 * 2, HIDDEN // 128)
+    assert _inside(scales, workspace13)
 
 
 @pytest.mark.gpu
