@@ -29,7 +29,7 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
     QuantScheme,
 )
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.layer import BACKENDS, FusedMoE
 from vllm.v1.worker.workspace import (
     init_workspace_manager,
     reset_workspace_manager,
@@ -37,6 +37,11 @@ from vllm.v1.worker.workspace import (
 )
 
 MiB = 2**20
+SCHEMES = {
+    "bf16": QuantScheme.UNQUANTIZED,
+    "fp8_w8a8": QuantScheme.FP8_PER_TOKEN,
+    "w4a16": QuantScheme.W4A16_UINT4,
+}
 
 PRESETS = {
     # name: (layers, hidden, experts, topk)
@@ -106,9 +111,13 @@ def build_layers(moe: FusedMoEConfig, n: int, backend: str, device) -> list[Fuse
         layer = FusedMoE(
             moe, prefix=f"report.layers.{i}.mlp", backend=backend, device=device
         )
-        for param in (layer.w13_weight, layer.w2_weight):
-            assert param is not None
-            param.data.normal_(0, 0.02, generator=gen)
+        e, i, h = moe.num_experts, moe.intermediate_size, moe.hidden_size
+        layer.stacked_weight_loader(
+            torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=moe.in_dtype)
+            * 0.02,
+            torch.randn(e, h, i, generator=gen, device=device, dtype=moe.in_dtype)
+            * 0.02,
+        )
         layer.process_weights_after_loading()
         layers.append(layer)
     return layers
@@ -119,9 +128,16 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--intermediate-size", type=int, default=64)
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--dtype", choices=["bf16", "fp8_w8a8"], default="bf16")
+    parser.add_argument(
+        "--intermediate-size", type=int, default=128, help="a multiple of 128"
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="w4a16 runs Humming on auto (GPU); marlin also runs on CPU",
+    )
+    parser.add_argument("--dtype", choices=sorted(SCHEMES), default="bf16")
     parser.add_argument("--output-json", type=Path, default=Path("out/moe_memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("out/moe_memory.png"))
     args = parser.parse_args()
@@ -133,11 +149,7 @@ def main() -> None:
         args.tokens or ([8192, 1024, 1] if device.type == "cuda" else [256, 16, 1]),
         reverse=True,
     )
-    scheme = (
-        QuantScheme.FP8_PER_TOKEN
-        if args.dtype == "fp8_w8a8"
-        else QuantScheme.UNQUANTIZED
-    )
+    scheme = SCHEMES[args.dtype]
     moe = FusedMoEConfig(
         num_experts=experts,
         experts_per_token=topk,

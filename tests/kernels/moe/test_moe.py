@@ -393,6 +393,26 @@ def test_missing_expert_shards_are_refused(device):
         layer.process_weights_after_loading()  # every w3 is missing
 
 
+def test_stacked_loader_matches_per_shard_loading(workspace_init, device):
+    moe = moe_config(device, ep_size=4, experts_per_token=2)
+    per_shard = make_layer(moe, device, seed=8)
+    gen = torch.Generator().manual_seed(8)
+    k, i = moe.hidden_size, moe.intermediate_size
+    w13 = torch.empty(moe.num_experts, 2 * i, k)
+    w2 = torch.empty(moe.num_experts, k, i)
+    for e in range(moe.num_experts):  # the draw order of load_random_weights
+        w13[e, :i] = torch.randn(i, k, generator=gen) / k**0.5
+        w13[e, i:] = torch.randn(i, k, generator=gen) / k**0.5
+        w2[e] = torch.randn(k, i, generator=gen) / i**0.5
+    stacked = FusedMoE(moe, prefix=f"test.stacked.{next(_layer_ids)}", device=device)
+    stacked.stacked_weight_loader(w13.to(device), w2.to(device))
+    stacked.process_weights_after_loading()
+    assert stacked.w13_weight is not None and per_shard.w13_weight is not None
+    assert torch.equal(stacked.w13_weight, per_shard.w13_weight)
+    with pytest.raises(ValueError, match="w2: expected stacked"):
+        stacked.stacked_weight_loader(w13.to(device), w2[:1].to(device))
+
+
 def test_bad_inputs_are_named(workspace_init, device):
     moe = moe_config(device, experts_per_token=2)
     kernel = FusedMoEModularKernel(

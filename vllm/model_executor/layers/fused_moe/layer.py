@@ -164,6 +164,26 @@ class FusedMoE(nn.Module):
         target.copy_(loaded_weight)
         self._unloaded.discard((local, shard_id))
 
+    def stacked_weight_loader(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Load all experts at once from stacked tensors (checkpoints that
+        store them fused): w13 [num_experts, 2I, H] with gate rows first,
+        w2 [num_experts, H, I]; this rank keeps its local experts."""
+        moe = self.moe
+        e, i, h = moe.num_experts, moe.intermediate_size, moe.hidden_size
+        for name, t, shape in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
+            if tuple(t.shape) != shape:
+                raise ValueError(
+                    f"{name}: expected stacked {shape}, got {tuple(t.shape)}"
+                )
+        if self.w13_weight is None or self.w2_weight is None:
+            self._create_weights()
+        assert self.w13_weight is not None and self.w2_weight is not None
+        start = moe.ep_rank * moe.num_local_experts
+        local = slice(start, start + moe.num_local_experts)
+        self.w13_weight.data.copy_(w13[local])
+        self.w2_weight.data.copy_(w2[local])
+        self._unloaded.clear()
+
     def process_weights_after_loading(self) -> None:
         """Quantize/repack into the backend's experts.
 
