@@ -5,7 +5,7 @@
 # under $OUT when set (else ./out), and ends with a summary table.
 # Knobs: SKIP_TESTS=1, GPU_BENCHMARKS="<files>" (empty: none),
 # SKIP_MEMORY_REPORT=1, TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
-# PYTEST_WORKERS (8). The whole run takes more than one 10-minute device
+# PYTEST_WORKERS (16). The whole run takes more than one 10-minute device
 # command: run the tests and the benchmarks as two commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,7 @@ step() {  # step NAME LOGFILE COMMAND...: run, append to LOGFILE, record the sta
 # Tests compile many Triton/humming kernels (CPU-bound): spread them over
 # workers when pytest-xdist is there.
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-8}")
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-16}")
 if [ -z "${SKIP_TESTS:-}" ]; then
     # The whole suite: on CUDA the `device` fixture runs the shared tests on
     # the GPU too, a superset of `-m gpu`. Bounded, and its xdist workers are
