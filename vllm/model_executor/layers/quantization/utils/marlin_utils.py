@@ -12,6 +12,8 @@ None and never bakes in one slot's or one stream's buffer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm.model_executor.kernels import marlin_gemm as kernel
@@ -50,14 +52,18 @@ def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
     if not is_workspace_manager_initialized():
         return marlin_make_workspace_new(device)
     manager = current_workspace_manager()
-    manager.require_device(device, "a Marlin workspace")
+    if device != manager.device:
+        manager.require_device(device, "a Marlin workspace")
+    key, shape = _workspace_spec(device)
     return manager.get_persistent(
-        (MARLIN_WORKSPACE_KEY, str(device)),
-        (kernel.marlin_workspace_numel(device),),
-        torch.int32,
-        zero_init=True,
-        per_stream=True,
+        key, shape, torch.int32, zero_init=True, per_stream=True
     )
+
+
+@functools.cache
+def _workspace_spec(device: torch.device) -> tuple[tuple[str, str], tuple[int]]:
+    # Once per device: this runs on every GEMM call (host time matters).
+    return (MARLIN_WORKSPACE_KEY, str(device)), (kernel.marlin_workspace_numel(device),)
 
 
 # -- weight preparation ------------------------------------------------------
