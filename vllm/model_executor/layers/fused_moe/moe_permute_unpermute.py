@@ -124,9 +124,9 @@ def moe_permute_unpermute_supported() -> bool:
 # -- validation --------------------------------------------------------------
 
 
-def _check(cond: bool, name: str, expected: str, got: object) -> None:
-    if not cond:
-        raise ValueError(f"{name}: expected {expected}, got {got}")
+def _error(name: str, expected: str, got: object) -> ValueError:
+    # Messages are built only on failure: the checks run on every call.
+    return ValueError(f"{name}: expected {expected}, got {got}")
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -140,33 +140,27 @@ def _check_routing(
     n_local_expert: int,
     device: torch.device,
 ) -> None:
-    _check(
-        topk_ids.dim() == 2 and topk_ids.dtype in _INDEX_DTYPES,
-        "topk_ids",
-        "a 2-D int32/int64 tensor [num_tokens, topk]",
-        _describe(topk_ids),
-    )
-    _check(topk_ids.device == device, "topk_ids", f"device {device}", topk_ids.device)
-    _check(n_expert > 0, "n_expert", "> 0", n_expert)
-    _check(
-        0 < n_local_expert <= n_expert,
-        "n_local_expert",
-        f"-1 or 1..n_expert={n_expert}",
-        n_local_expert,
-    )
+    if not (topk_ids.dim() == 2 and topk_ids.dtype in _INDEX_DTYPES):
+        raise _error(
+            "topk_ids",
+            "a 2-D int32/int64 tensor [num_tokens, topk]",
+            _describe(topk_ids),
+        )
+    if topk_ids.device != device:
+        raise _error("topk_ids", f"device {device}", topk_ids.device)
+    if not (n_expert > 0):
+        raise _error("n_expert", "> 0", n_expert)
+    if not (0 < n_local_expert <= n_expert):
+        raise _error("n_local_expert", f"-1 or 1..n_expert={n_expert}", n_local_expert)
     if expert_map is not None:
-        _check(
-            expert_map.shape == (n_expert,) and expert_map.dtype == torch.int32,
-            "expert_map",
-            f"an int32 tensor of shape ({n_expert},)",
-            _describe(expert_map),
-        )
-        _check(
-            expert_map.device == device,
-            "expert_map",
-            f"device {device}",
-            expert_map.device,
-        )
+        if not (expert_map.shape == (n_expert,) and expert_map.dtype == torch.int32):
+            raise _error(
+                "expert_map",
+                f"an int32 tensor of shape ({n_expert},)",
+                _describe(expert_map),
+            )
+        if expert_map.device != device:
+            raise _error("expert_map", f"device {device}", expert_map.device)
 
 
 def _scratch_for(
@@ -177,15 +171,17 @@ def _scratch_for(
 ) -> MoEPermuteScratch:
     if scratch is None:
         return MoEPermuteScratch(n_expert, n_local_expert, device)
-    _check(
+    if not (
         (scratch.num_experts, scratch.num_local_experts, scratch.device)
-        == (n_expert, n_local_expert, device),
-        "scratch",
-        f"a MoEPermuteScratch for num_experts={n_expert}, "
-        f"num_local_experts={n_local_expert} on {device}",
-        f"one for num_experts={scratch.num_experts}, num_local_experts="
-        f"{scratch.num_local_experts} on {scratch.device}",
-    )
+        == (n_expert, n_local_expert, device)
+    ):
+        raise _error(
+            "scratch",
+            f"a MoEPermuteScratch for num_experts={n_expert}, "
+            f"num_local_experts={n_local_expert} on {device}",
+            f"one for num_experts={scratch.num_experts}, num_local_experts="
+            f"{scratch.num_local_experts} on {scratch.device}",
+        )
     return scratch
 
 
@@ -275,76 +271,78 @@ def moe_permute(
     """
     if n_local_expert == -1:
         n_local_expert = n_expert
-    _check(
-        hidden_states.dim() == 2 and hidden_states.dtype in _HIDDEN_DTYPES,
-        "hidden_states",
-        "a 2-D bf16/fp16/fp32/fp8_e4m3fn tensor [num_tokens, hidden]",
-        _describe(hidden_states),
-    )
+    if not (hidden_states.dim() == 2 and hidden_states.dtype in _HIDDEN_DTYPES):
+        raise _error(
+            "hidden_states",
+            "a 2-D bf16/fp16/fp32/fp8_e4m3fn tensor [num_tokens, hidden]",
+            _describe(hidden_states),
+        )
     device = hidden_states.device
     _check_routing(topk_ids, expert_map, n_expert, n_local_expert, device)
     num_tokens, hidden = hidden_states.shape
-    _check(
-        topk_ids.shape[0] == num_tokens,
-        "topk_ids",
-        f"{num_tokens} rows (one per token of hidden_states)",
-        _describe(topk_ids),
-    )
+    if topk_ids.shape[0] != num_tokens:
+        raise _error(
+            "topk_ids",
+            f"{num_tokens} rows (one per token of hidden_states)",
+            _describe(topk_ids),
+        )
     rows = topk_ids.numel()
     if permuted_hidden_states is None:
         permuted_hidden_states = torch.empty(
             rows, hidden, dtype=hidden_states.dtype, device=device
         )
-    _check(
+    if not (
         permuted_hidden_states.dim() == 2
         and permuted_hidden_states.shape[0] >= rows
         and permuted_hidden_states.shape[1] == hidden
         and permuted_hidden_states.dtype == hidden_states.dtype
         and permuted_hidden_states.device == device
-        and permuted_hidden_states.stride(1) == 1,
-        "permuted_hidden_states",
-        f"a row-contiguous [>= {rows}, {hidden}] {hidden_states.dtype} tensor "
-        f"on {device}",
-        _describe(permuted_hidden_states),
-    )
+        and permuted_hidden_states.stride(1) == 1
+    ):
+        raise _error(
+            "permuted_hidden_states",
+            f"a row-contiguous [>= {rows}, {hidden}] {hidden_states.dtype} tensor "
+            f"on {device}",
+            _describe(permuted_hidden_states),
+        )
     permuted_scale: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
     if a1q_scale is not None:
-        _check(
-            a1q_scale.device == device,
-            "a1q_scale",
-            f"device {device}",
-            a1q_scale.device,
-        )
+        if a1q_scale.device != device:
+            raise _error("a1q_scale", f"device {device}", a1q_scale.device)
         if a1q_scale.dim() < 2 and a1q_scale.numel() == 1:
             permuted_scale = a1q_scale  # per tensor: passes through
         else:
-            _check(
+            if not (
                 a1q_scale.dim() == 2
                 and a1q_scale.shape[0] == num_tokens
-                and a1q_scale.dtype == torch.float32,
-                "a1q_scale",
-                f"a per-tensor scale (0-D or [1]), or a [{num_tokens}, groups] fp32 "
-                f"tensor",
-                _describe(a1q_scale),
-            )
+                and a1q_scale.dtype == torch.float32
+            ):
+                raise _error(
+                    "a1q_scale",
+                    f"a per-tensor scale (0-D or [1]), or a [{num_tokens}, groups] "
+                    f"fp32 tensor",
+                    _describe(a1q_scale),
+                )
             row_scale = a1q_scale.contiguous()
             groups = a1q_scale.shape[1]
             if permuted_a1q_scale is None:
                 permuted_a1q_scale = torch.empty(
                     rows, groups, dtype=torch.float32, device=device
                 )
-            _check(
+            if not (
                 permuted_a1q_scale.dim() == 2
                 and permuted_a1q_scale.shape[0] >= rows
                 and permuted_a1q_scale.shape[1] == groups
                 and permuted_a1q_scale.dtype == torch.float32
                 and permuted_a1q_scale.device == device
-                and permuted_a1q_scale.is_contiguous(),
-                "permuted_a1q_scale",
-                f"a contiguous [>= {rows}, {groups}] fp32 tensor on {device}",
-                _describe(permuted_a1q_scale),
-            )
+                and permuted_a1q_scale.is_contiguous()
+            ):
+                raise _error(
+                    "permuted_a1q_scale",
+                    f"a contiguous [>= {rows}, {groups}] fp32 tensor on {device}",
+                    _describe(permuted_a1q_scale),
+                )
             permuted_scale = permuted_a1q_scale[:rows]
 
     scratch = _scratch_for(scratch, n_expert, n_local_expert, device)
@@ -386,49 +384,56 @@ def moe_unpermute(
     given) are skipped; without offsets every route must be valid. Every row
     of ``out`` is written (zero when a token has no valid route).
     """
-    _check(
-        out.dim() == 2 and out.dtype in _OUT_DTYPES and out.stride(1) == 1,
-        "out",
-        "a row-contiguous 2-D bf16/fp16/fp32 tensor [num_tokens, hidden]",
-        _describe(out),
-    )
+    if not (out.dim() == 2 and out.dtype in _OUT_DTYPES and out.stride(1) == 1):
+        raise _error(
+            "out",
+            "a row-contiguous 2-D bf16/fp16/fp32 tensor [num_tokens, hidden]",
+            _describe(out),
+        )
     num_tokens, hidden = out.shape
     device = out.device
-    _check(
+    if not (
         topk_weights.dim() == 2
         and topk_weights.shape[0] == num_tokens
         and topk_weights.dtype == torch.float32
-        and topk_weights.device == device,
-        "topk_weights",
-        f"a [{num_tokens}, topk] fp32 tensor on {device}",
-        _describe(topk_weights),
-    )
+        and topk_weights.device == device
+    ):
+        raise _error(
+            "topk_weights",
+            f"a [{num_tokens}, topk] fp32 tensor on {device}",
+            _describe(topk_weights),
+        )
     rows = topk_weights.numel()
-    _check(
+    if not (
         permuted_hidden_states.dim() == 2
         and permuted_hidden_states.shape[0] >= rows
         and permuted_hidden_states.shape[1] == hidden
         and permuted_hidden_states.dtype in _OUT_DTYPES
         and permuted_hidden_states.device == device
-        and permuted_hidden_states.stride(1) == 1,
-        "permuted_hidden_states",
-        f"a row-contiguous [>= {rows}, {hidden}] bf16/fp16/fp32 tensor on {device}",
-        _describe(permuted_hidden_states),
-    )
-    _check(
+        and permuted_hidden_states.stride(1) == 1
+    ):
+        raise _error(
+            "permuted_hidden_states",
+            f"a row-contiguous [>= {rows}, {hidden}] bf16/fp16/fp32 tensor on {device}",
+            _describe(permuted_hidden_states),
+        )
+    if not (
         inv_permuted_idx.dim() == 1
         and inv_permuted_idx.numel() >= rows
         and inv_permuted_idx.dtype == torch.int32
-        and inv_permuted_idx.device == device,
-        "inv_permuted_idx",
-        f"a 1-D int32 tensor of >= {rows} elements on {device}",
-        _describe(inv_permuted_idx),
-    )
-    if expert_first_token_offset is not None:
-        _check(
-            expert_first_token_offset.dim() == 1
-            and expert_first_token_offset.dtype == torch.int64
-            and expert_first_token_offset.device == device,
+        and inv_permuted_idx.device == device
+    ):
+        raise _error(
+            "inv_permuted_idx",
+            f"a 1-D int32 tensor of >= {rows} elements on {device}",
+            _describe(inv_permuted_idx),
+        )
+    if expert_first_token_offset is not None and not (
+        expert_first_token_offset.dim() == 1
+        and expert_first_token_offset.dtype == torch.int64
+        and expert_first_token_offset.device == device
+    ):
+        raise _error(
             "expert_first_token_offset",
             f"a 1-D int64 tensor on {device}",
             _describe(expert_first_token_offset),
