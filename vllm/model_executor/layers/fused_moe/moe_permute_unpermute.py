@@ -148,7 +148,7 @@ def _check_routing(
         )
     if topk_ids.device != device:
         raise _error("topk_ids", f"device {device}", topk_ids.device)
-    if not (n_expert > 0):
+    if n_expert <= 0:
         raise _error("n_expert", "> 0", n_expert)
     if not (0 < n_local_expert <= n_expert):
         raise _error("n_local_expert", f"-1 or 1..n_expert={n_expert}", n_local_expert)
