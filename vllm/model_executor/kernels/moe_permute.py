@@ -234,28 +234,30 @@ def _route_scatter_kernel(
     tl.store(inv_permuted_idx_ptr + src, dest, mask=in_bounds)
 
 
-def _check(cond: bool, name: str, expected: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: expected {expected}")
+def _error(name: str, expected: str) -> ValueError:
+    # Messages are built only on failure: launchers check on every call.
+    return ValueError(f"{name}: expected {expected}")
 
 
 def _check_index(t: torch.Tensor, name: str, min_numel: int, dev: torch.device) -> None:
-    _check(
-        t.dtype == torch.int32 and t.is_contiguous() and t.numel() >= min_numel,
-        name,
-        f"a contiguous int32 tensor with at least {min_numel} elements, got "
-        f"{t.dtype} {tuple(t.shape)}",
-    )
-    _check(t.device == dev, name, f"a tensor on {dev}, got {t.device}")
+    if not (t.dtype == torch.int32 and t.is_contiguous() and t.numel() >= min_numel):
+        raise _error(
+            name,
+            f"a contiguous int32 tensor with at least {min_numel} elements, got "
+            f"{t.dtype} {tuple(t.shape)}",
+        )
+    if t.device != dev:
+        raise _error(name, f"a tensor on {dev}, got {t.device}")
 
 
 def _check_offsets(t: torch.Tensor, name: str, n_local: int, dev: torch.device) -> None:
-    _check(
-        t.dtype == torch.int64 and t.dim() == 1 and t.numel() == n_local + 1,
-        name,
-        f"an int64 tensor of shape [{n_local + 1}], got {t.dtype} {tuple(t.shape)}",
-    )
-    _check(t.device == dev, name, f"a tensor on {dev}, got {t.device}")
+    if not (t.dtype == torch.int64 and t.dim() == 1 and t.numel() == n_local + 1):
+        raise _error(
+            name,
+            f"an int64 tensor of shape [{n_local + 1}], got {t.dtype} {tuple(t.shape)}",
+        )
+    if t.device != dev:
+        raise _error(name, f"a tensor on {dev}, got {t.device}")
 
 
 def route_sort(
@@ -275,27 +277,34 @@ def route_sort(
     of the per-local-expert counts; ``[-1]`` is the number of valid routes).
     """
     dev = topk_ids.device
-    _check(
+    if not (
         topk_ids.dim() == 2
         and topk_ids.dtype in (torch.int32, torch.int64)
-        and topk_ids.is_contiguous(),
-        "topk_ids",
-        f"a contiguous [T, topk] int32/int64 tensor, got {topk_ids.dtype} "
-        f"{tuple(topk_ids.shape)}",
-    )
-    _check(n_local_expert >= 1, "n_local_expert", f">= 1, got {n_local_expert}")
-    _check(n_expert >= 0, "n_expert", f">= 0, got {n_expert}")
+        and topk_ids.is_contiguous()
+    ):
+        raise _error(
+            "topk_ids",
+            f"a contiguous [T, topk] int32/int64 tensor, got {topk_ids.dtype} "
+            f"{tuple(topk_ids.shape)}",
+        )
+    if n_local_expert < 1:
+        raise _error("n_local_expert", f">= 1, got {n_local_expert}")
+    if n_expert < 0:
+        raise _error("n_expert", f">= 0, got {n_expert}")
     if expert_map is not None:
-        _check(
+        if not (
             expert_map.dtype == torch.int32
             and expert_map.dim() == 1
             and expert_map.is_contiguous()
-            and expert_map.numel() >= n_expert,
-            "expert_map",
-            f"a contiguous int32 [n_expert={n_expert}] tensor, got "
-            f"{expert_map.dtype} {tuple(expert_map.shape)}",
-        )
-        _check(expert_map.device == dev, "expert_map", f"a tensor on {dev}")
+            and expert_map.numel() >= n_expert
+        ):
+            raise _error(
+                "expert_map",
+                f"a contiguous int32 [n_expert={n_expert}] tensor, got "
+                f"{expert_map.dtype} {tuple(expert_map.shape)}",
+            )
+        if expert_map.device != dev:
+            raise _error("expert_map", f"a tensor on {dev}")
     num_routes = topk_ids.numel()
     _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
     _check_index(permuted_idx, "permuted_idx", num_routes, dev)
@@ -530,66 +539,71 @@ def _permute_rows_launch(
     num_warps: int,
 ) -> None:
     dev = hidden_states.device
-    _check(
+    if not (
         hidden_states.dim() == 2
         and hidden_states.dtype in _ROW_DTYPES
-        and hidden_states.stride(1) == 1,
-        "hidden_states",
-        f"a [T, H] tensor of {_ROW_DTYPES} with unit last stride, got "
-        f"{hidden_states.dtype} {tuple(hidden_states.shape)}",
-    )
+        and hidden_states.stride(1) == 1
+    ):
+        raise _error(
+            "hidden_states",
+            f"a [T, H] tensor of {_ROW_DTYPES} with unit last stride, got "
+            f"{hidden_states.dtype} {tuple(hidden_states.shape)}",
+        )
     num_tokens, hidden = hidden_states.shape
     num_routes = num_tokens * topk
-    _check(topk >= 1, "topk", f">= 1, got {topk}")
+    if topk < 1:
+        raise _error("topk", f">= 1, got {topk}")
     _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
-    _check(
+    if not (
         expert_first_token_offset.dtype == torch.int64
         and expert_first_token_offset.dim() == 1
         and expert_first_token_offset.numel() >= 1
-        and expert_first_token_offset.device == dev,
-        "expert_first_token_offset",
-        f"a 1-D int64 tensor on {dev}",
-    )
-    _check(
+        and expert_first_token_offset.device == dev
+    ):
+        raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
+    if not (
         out.dim() == 2
         and out.dtype == hidden_states.dtype
         and out.shape[0] >= num_routes
         and out.shape[1] == hidden
         and out.stride(1) == 1
-        and out.device == dev,
-        "out",
-        f"a [>= {num_routes}, {hidden}] {hidden_states.dtype} tensor on {dev} "
-        f"with unit last stride, got {out.dtype} {tuple(out.shape)}",
-    )
-    _check(
-        (scale is None) == (out_scale is None),
-        "out_scale",
-        "to be given exactly when scale is given",
-    )
+        and out.device == dev
+    ):
+        raise _error(
+            "out",
+            f"a [>= {num_routes}, {hidden}] {hidden_states.dtype} tensor on {dev} "
+            f"with unit last stride, got {out.dtype} {tuple(out.shape)}",
+        )
+    if not ((scale is None) == (out_scale is None)):
+        raise _error("out_scale", "to be given exactly when scale is given")
     num_groups = 0
     if scale is not None and out_scale is not None:
-        _check(
+        if not (
             scale.dim() == 2
             and scale.dtype == torch.float32
             and scale.shape[0] == num_tokens
             and scale.stride(1) == 1
-            and scale.device == dev,
-            "scale",
-            f"a [{num_tokens}, G] float32 tensor on {dev} with unit last stride, "
-            f"got {scale.dtype} {tuple(scale.shape)}",
-        )
+            and scale.device == dev
+        ):
+            raise _error(
+                "scale",
+                f"a [{num_tokens}, G] float32 tensor on {dev} with unit last stride, "
+                f"got {scale.dtype} {tuple(scale.shape)}",
+            )
         num_groups = scale.shape[1]
-        _check(
+        if not (
             out_scale.dim() == 2
             and out_scale.dtype == torch.float32
             and out_scale.shape[0] >= num_routes
             and out_scale.shape[1] == num_groups
             and out_scale.stride(1) == 1
-            and out_scale.device == dev,
-            "out_scale",
-            f"a [>= {num_routes}, {num_groups}] float32 tensor on {dev} with "
-            f"unit last stride, got {out_scale.dtype} {tuple(out_scale.shape)}",
-        )
+            and out_scale.device == dev
+        ):
+            raise _error(
+                "out_scale",
+                f"a [>= {num_routes}, {num_groups}] float32 tensor on {dev} with "
+                f"unit last stride, got {out_scale.dtype} {tuple(out_scale.shape)}",
+            )
     if num_tokens == 0 or hidden == 0:
         return
     x_words = _as_words(hidden_states)
@@ -702,47 +716,49 @@ def _unpermute_rows_launch(
     num_warps: int,
 ) -> None:
     dev = out.device
-    _check(
-        out.dim() == 2 and out.dtype in _FLOAT_DTYPES and out.stride(1) == 1,
-        "out",
-        f"a [T, H] tensor of {_FLOAT_DTYPES} with unit last stride, got "
-        f"{out.dtype} {tuple(out.shape)}",
-    )
+    if not (out.dim() == 2 and out.dtype in _FLOAT_DTYPES and out.stride(1) == 1):
+        raise _error(
+            "out",
+            f"a [T, H] tensor of {_FLOAT_DTYPES} with unit last stride, got "
+            f"{out.dtype} {tuple(out.shape)}",
+        )
     num_tokens, hidden = out.shape
-    _check(
+    if not (
         topk_weights.dim() == 2
         and topk_weights.shape[0] == num_tokens
         and topk_weights.dtype in _FLOAT_DTYPES
         and topk_weights.stride(1) == 1
-        and topk_weights.device == dev,
-        "topk_weights",
-        f"a [{num_tokens}, topk] float tensor on {dev} with unit last stride, got "
-        f"{topk_weights.dtype} {tuple(topk_weights.shape)}",
-    )
+        and topk_weights.device == dev
+    ):
+        raise _error(
+            "topk_weights",
+            f"a [{num_tokens}, topk] float tensor on {dev} with unit last stride, got "
+            f"{topk_weights.dtype} {tuple(topk_weights.shape)}",
+        )
     topk = topk_weights.shape[1]
     num_routes = num_tokens * topk
-    _check(
+    if not (
         permuted_hidden_states.dim() == 2
         and permuted_hidden_states.dtype in _FLOAT_DTYPES
         and permuted_hidden_states.shape[0] >= num_routes
         and permuted_hidden_states.shape[1] == hidden
         and permuted_hidden_states.stride(1) == 1
-        and permuted_hidden_states.device == dev,
-        "permuted_hidden_states",
-        f"a [>= {num_routes}, {hidden}] float tensor on {dev} with unit last "
-        f"stride, got {permuted_hidden_states.dtype} "
-        f"{tuple(permuted_hidden_states.shape)}",
-    )
-    _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
-    if expert_first_token_offset is not None:
-        _check(
-            expert_first_token_offset.dtype == torch.int64
-            and expert_first_token_offset.dim() == 1
-            and expert_first_token_offset.numel() >= 1
-            and expert_first_token_offset.device == dev,
-            "expert_first_token_offset",
-            f"a 1-D int64 tensor on {dev}",
+        and permuted_hidden_states.device == dev
+    ):
+        raise _error(
+            "permuted_hidden_states",
+            f"a [>= {num_routes}, {hidden}] float tensor on {dev} with unit last "
+            f"stride, got {permuted_hidden_states.dtype} "
+            f"{tuple(permuted_hidden_states.shape)}",
         )
+    _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
+    if expert_first_token_offset is not None and not (
+        expert_first_token_offset.dtype == torch.int64
+        and expert_first_token_offset.dim() == 1
+        and expert_first_token_offset.numel() >= 1
+        and expert_first_token_offset.device == dev
+    ):
+        raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
     if num_tokens == 0 or hidden == 0:
         return
     block = min(
