@@ -10,12 +10,14 @@ the experts' workspaces from the workspace manager in one
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
+    QuantScheme,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     MoEPermuteScratch,
@@ -45,6 +47,20 @@ def carve(
             f"byte offset {offset}"
         )
     return workspace[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def check_tensors(
+    *specs: tuple[str, torch.Tensor, Shape, torch.dtype | None],
+) -> None:
+    """Raise naming the first tensor whose shape or dtype is off (a dtype of
+    None accepts any floating-point tensor)."""
+    for name, t, shape, dtype in specs:
+        ok_dtype = t.is_floating_point() if dtype is None else t.dtype == dtype
+        if tuple(t.shape) != shape or not ok_dtype:
+            expected = "a floating-point" if dtype is None else str(dtype)
+            raise ValueError(
+                f"{name}: expected {expected} {shape}, got {tuple(t.shape)} {t.dtype}"
+            )
 
 
 class FusedMoEPrepareAndFinalize(ABC):
@@ -87,8 +103,20 @@ class FusedMoEExperts(ABC):
     can be rebuilt (weight reload) after the manager is locked.
     """
 
+    supported_schemes: ClassVar[tuple[QuantScheme, ...]]
+
     def __init__(self, moe: FusedMoEConfig) -> None:
+        self.check_scheme(moe)
         self.moe = moe
+
+    @classmethod
+    def check_scheme(cls, moe: FusedMoEConfig) -> None:
+        if moe.quant_config.scheme not in cls.supported_schemes:
+            raise ValueError(
+                f"moe.quant_config.scheme: {cls.__name__} runs "
+                f"{[s.value for s in cls.supported_schemes]}, got "
+                f"{moe.quant_config.scheme.value}"
+            )
 
     @abstractmethod
     def workspace_shapes(

@@ -18,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
     carve,
+    check_tensors,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
@@ -31,6 +32,8 @@ from vllm.v1.worker.workspace import align_up
 
 
 class CutlassExpertsFp8(FusedMoEExperts):
+    supported_schemes = (QuantScheme.FP8_PER_TOKEN,)
+
     def __init__(
         self,
         moe: FusedMoEConfig,
@@ -40,28 +43,18 @@ class CutlassExpertsFp8(FusedMoEExperts):
         w2_scale: torch.Tensor,
     ) -> None:
         super().__init__(moe)
-        if moe.quant_config.scheme is not QuantScheme.FP8_PER_TOKEN:
-            raise ValueError(
-                f"quant_config: CutlassExpertsFp8 runs "
-                f"{QuantScheme.FP8_PER_TOKEN.value}, got "
-                f"{moe.quant_config.scheme.value}"
-            )
         if moe.hidden_size % 16 or moe.intermediate_size % 16:
             raise ValueError(
                 "hidden_size/intermediate_size: fp8 grouped GEMMs need multiples of "
                 f"16, got {moe.hidden_size}/{moe.intermediate_size}"
             )
         el = moe.num_local_experts
-        for name, t, shape, dtype in (
+        check_tensors(
             ("w13", w13, (el, moe.w13_rows, moe.hidden_size), FP8_DTYPE),
             ("w13_scale", w13_scale, (el, moe.w13_rows), torch.float32),
             ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), FP8_DTYPE),
             ("w2_scale", w2_scale, (el, moe.hidden_size), torch.float32),
-        ):
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(
-                    f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
-                )
+        )
         self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
         self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
 

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
     carve,
+    check_tensors,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
@@ -109,13 +110,9 @@ def _require_humming() -> None:
 
 
 def _check_config(moe: FusedMoEConfig) -> _SchemeSpec:
+    HummingGroupedExperts.check_scheme(moe)
     scheme = moe.quant_config.scheme
-    spec = _SCHEMES.get(scheme)
-    if spec is None:
-        raise ValueError(
-            f"moe.quant_config.scheme: HummingGroupedExperts runs "
-            f"{[s.value for s in _SCHEMES]}, got {scheme.value}"
-        )
+    spec = _SCHEMES[scheme]
     if moe.in_dtype not in _HUMMING_DTYPES:
         raise ValueError(
             f"moe.in_dtype: expected one of {list(_HUMMING_DTYPES)}, got {moe.in_dtype}"
@@ -139,15 +136,10 @@ def _check_config(moe: FusedMoEConfig) -> _SchemeSpec:
 
 def _check_weights(moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> None:
     el = moe.num_local_experts
-    for name, t, shape in (
-        ("w13", w13, (el, moe.w13_rows, moe.hidden_size)),
-        ("w2", w2, (el, moe.hidden_size, moe.intermediate_size)),
-    ):
-        if tuple(t.shape) != shape or not t.is_floating_point():
-            raise ValueError(
-                f"{name}: expected a float tensor of shape {shape}, got "
-                f"{tuple(t.shape)} {t.dtype}"
-            )
+    check_tensors(
+        ("w13", w13, (el, moe.w13_rows, moe.hidden_size), None),
+        ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), None),
+    )
     if w2.device != w13.device:
         raise ValueError(f"w2: expected device {w13.device}, got {w2.device}")
 
@@ -312,6 +304,8 @@ class HummingGroupedExperts(FusedMoEExperts):
     offset; humming neither reads nor writes them, and buffers have R rows so
     any scatter target stays in bounds.
     """
+
+    supported_schemes = tuple(_SCHEMES)
 
     def __init__(
         self,

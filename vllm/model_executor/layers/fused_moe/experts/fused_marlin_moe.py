@@ -23,6 +23,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
     carve,
+    check_tensors,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
@@ -82,6 +83,8 @@ class MarlinExperts(FusedMoEExperts):
     ``[E_local, I // 128, K]``; scales in ``moe.in_dtype``.
     """
 
+    supported_schemes = (QuantScheme.W4A16_UINT4,)
+
     def __init__(
         self,
         moe: FusedMoEConfig,
@@ -91,18 +94,14 @@ class MarlinExperts(FusedMoEExperts):
         w2_scales: torch.Tensor,
     ) -> None:
         super().__init__(moe)
-        _check_config(moe)
+        _check_sizes(moe)
         el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
-        for name, t, shape, dtype in (
+        check_tensors(
             ("w13_packed", w13_packed, (el, 2 * i, k // 8), torch.int32),
             ("w13_scales", w13_scales, (el, k // GROUP_SIZE, 2 * i), moe.in_dtype),
             ("w2_packed", w2_packed, (el, k, i // 8), torch.int32),
             ("w2_scales", w2_scales, (el, i // GROUP_SIZE, k), moe.in_dtype),
-        ):
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(
-                    f"{name}: expected {shape} {dtype}, got {tuple(t.shape)} {t.dtype}"
-                )
+        )
         self.w13_packed = w13_packed.contiguous()
         self.w13_scales = w13_scales.contiguous()
         self.w2_packed = w2_packed.contiguous()
@@ -113,17 +112,10 @@ class MarlinExperts(FusedMoEExperts):
         cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> MarlinExperts:
         """Quantize and repack ``w13 [E_local, 2I, K]``, ``w2 [E_local, K, I]``."""
-        _check_config(moe)
+        cls.check_scheme(moe)
+        _check_sizes(moe)
         el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
-        for name, t, shape in (
-            ("w13", w13, (el, 2 * i, k)),
-            ("w2", w2, (el, k, i)),
-        ):
-            if tuple(t.shape) != shape or not t.is_floating_point():
-                raise ValueError(
-                    f"{name}: expected a floating-point {shape} tensor, got "
-                    f"{tuple(t.shape)} {t.dtype}"
-                )
+        check_tensors(("w13", w13, (el, 2 * i, k), None), ("w2", w2, (el, k, i), None))
 
         def prepare(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             per_expert = [
@@ -210,12 +202,7 @@ class MarlinExperts(FusedMoEExperts):
         moe_unpermute(output, down, topk_weights, inv, offsets)
 
 
-def _check_config(moe: FusedMoEConfig) -> None:
-    if moe.quant_config.scheme is not QuantScheme.W4A16_UINT4:
-        raise ValueError(
-            f"quant_config: MarlinExperts runs {QuantScheme.W4A16_UINT4.value}, "
-            f"got {moe.quant_config.scheme.value}"
-        )
+def _check_sizes(moe: FusedMoEConfig) -> None:
     for name, size in (
         ("hidden_size", moe.hidden_size),
         ("intermediate_size", moe.intermediate_size),

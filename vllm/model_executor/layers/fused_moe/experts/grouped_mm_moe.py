@@ -15,6 +15,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
     carve,
+    check_tensors,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
@@ -69,27 +70,17 @@ def grouped_mm(
 class GroupedMMExperts(FusedMoEExperts):
     """bf16/fp16 experts: permute -> GEMM1 -> activation -> GEMM2 -> unpermute."""
 
+    supported_schemes = (QuantScheme.UNQUANTIZED,)
+
     def __init__(
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
         super().__init__(moe)
-        if moe.quant_config.scheme is not QuantScheme.UNQUANTIZED:
-            raise ValueError(
-                f"quant_config: GroupedMMExperts runs unquantized weights, got "
-                f"{moe.quant_config.scheme.value}"
-            )
-        expected13 = (moe.num_local_experts, moe.w13_rows, moe.hidden_size)
-        expected2 = (moe.num_local_experts, moe.hidden_size, moe.intermediate_size)
-        if tuple(w13.shape) != expected13 or w13.dtype != moe.in_dtype:
-            raise ValueError(
-                f"w13: expected {expected13} {moe.in_dtype}, got "
-                f"{tuple(w13.shape)} {w13.dtype}"
-            )
-        if tuple(w2.shape) != expected2 or w2.dtype != moe.in_dtype:
-            raise ValueError(
-                f"w2: expected {expected2} {moe.in_dtype}, got "
-                f"{tuple(w2.shape)} {w2.dtype}"
-            )
+        el = moe.num_local_experts
+        check_tensors(
+            ("w13", w13, (el, moe.w13_rows, moe.hidden_size), moe.in_dtype),
+            ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), moe.in_dtype),
+        )
         if w13.is_cuda and (moe.hidden_size % 8 or moe.intermediate_size % 8):
             raise ValueError(
                 "hidden_size/intermediate_size: torch._grouped_mm needs multiples "
