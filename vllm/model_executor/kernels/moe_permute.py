@@ -706,15 +706,14 @@ def unpermute_rows(
     )
 
 
-def _unpermute_rows_launch(
+def check_unpermute_args(
     out: torch.Tensor,
     permuted_hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
     inv_permuted_idx: torch.Tensor,
     expert_first_token_offset: torch.Tensor | None,
-    tile_bytes: int,
-    num_warps: int,
 ) -> None:
+    """The checks of :func:`unpermute_rows` (also for its CPU reference path)."""
     dev = out.device
     if not (out.dim() == 2 and out.dtype in _FLOAT_DTYPES and out.stride(1) == 1):
         raise _error(
@@ -759,6 +758,26 @@ def _unpermute_rows_launch(
         and expert_first_token_offset.device == dev
     ):
         raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
+
+
+def _unpermute_rows_launch(
+    out: torch.Tensor,
+    permuted_hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    inv_permuted_idx: torch.Tensor,
+    expert_first_token_offset: torch.Tensor | None,
+    tile_bytes: int,
+    num_warps: int,
+) -> None:
+    check_unpermute_args(
+        out,
+        permuted_hidden_states,
+        topk_weights,
+        inv_permuted_idx,
+        expert_first_token_offset,
+    )
+    num_tokens, hidden = out.shape
+    topk = topk_weights.shape[1]
     if num_tokens == 0 or hidden == 0:
         return
     block = min(

@@ -29,7 +29,6 @@ from vllm.v1.worker.workspace import (
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class MoEPermuteScratch:
@@ -384,75 +383,28 @@ def moe_unpermute(
     given) are skipped; without offsets every route must be valid. Every row
     of ``out`` is written (zero when a token has no valid route).
     """
-    if not (out.dim() == 2 and out.dtype in _OUT_DTYPES and out.stride(1) == 1):
-        raise _error(
-            "out",
-            "a row-contiguous 2-D bf16/fp16/fp32 tensor [num_tokens, hidden]",
-            _describe(out),
-        )
-    num_tokens, hidden = out.shape
-    device = out.device
-    if not (
-        topk_weights.dim() == 2
-        and topk_weights.shape[0] == num_tokens
-        and topk_weights.dtype == torch.float32
-        and topk_weights.device == device
-    ):
-        raise _error(
-            "topk_weights",
-            f"a [{num_tokens}, topk] fp32 tensor on {device}",
-            _describe(topk_weights),
-        )
-    rows = topk_weights.numel()
-    if not (
-        permuted_hidden_states.dim() == 2
-        and permuted_hidden_states.shape[0] >= rows
-        and permuted_hidden_states.shape[1] == hidden
-        and permuted_hidden_states.dtype in _OUT_DTYPES
-        and permuted_hidden_states.device == device
-        and permuted_hidden_states.stride(1) == 1
-    ):
-        raise _error(
-            "permuted_hidden_states",
-            f"a row-contiguous [>= {rows}, {hidden}] bf16/fp16/fp32 tensor on {device}",
-            _describe(permuted_hidden_states),
-        )
-    if not (
-        inv_permuted_idx.dim() == 1
-        and inv_permuted_idx.numel() >= rows
-        and inv_permuted_idx.dtype == torch.int32
-        and inv_permuted_idx.device == device
-    ):
-        raise _error(
-            "inv_permuted_idx",
-            f"a 1-D int32 tensor of >= {rows} elements on {device}",
-            _describe(inv_permuted_idx),
-        )
-    if expert_first_token_offset is not None and not (
-        expert_first_token_offset.dim() == 1
-        and expert_first_token_offset.dtype == torch.int64
-        and expert_first_token_offset.device == device
-    ):
-        raise _error(
-            "expert_first_token_offset",
-            f"a 1-D int64 tensor on {device}",
-            _describe(expert_first_token_offset),
-        )
     if out.is_cuda:
         kernels.unpermute_rows(
             out,
             permuted_hidden_states,
-            topk_weights.contiguous(),
+            topk_weights,
             inv_permuted_idx,
             expert_first_token_offset,
         )
-    else:
-        out.copy_(
-            kernels.unpermute_rows_reference(
-                permuted_hidden_states,
-                topk_weights,
-                inv_permuted_idx,
-                expert_first_token_offset,
-                out_dtype=out.dtype,
-            )
+        return
+    kernels.check_unpermute_args(
+        out,
+        permuted_hidden_states,
+        topk_weights,
+        inv_permuted_idx,
+        expert_first_token_offset,
+    )
+    out.copy_(
+        kernels.unpermute_rows_reference(
+            permuted_hidden_states,
+            topk_weights,
+            inv_permuted_idx,
+            expert_first_token_offset,
+            out_dtype=out.dtype,
         )
+    )
