@@ -27,7 +27,10 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
     QuantScheme,
 )
-from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import grouped_mm
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    grouped_mm,
+    grouped_mm_ends,
+)
 from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -95,6 +98,7 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     a_perm, _, offsets, _, _ = moe_permute(
         hidden, None, routings[0][1], moe.num_experts
     )
+    ends = grouped_mm_ends(offsets)
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
     if backend == "cutlass":
         a_q, a_s = per_token_quant_fp8(a_perm)
@@ -103,13 +107,13 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
         w2_q, w2_s = per_channel_quant_fp8(w2)
 
         def gemm_step(it: int) -> None:
-            grouped_mm(a_q, w13_q, offsets, a_s.view(-1), w13_s)
-            grouped_mm(act_q, w2_q, offsets, act_s.view(-1), w2_s)
+            grouped_mm(a_q, w13_q, ends, a_s.view(-1), w13_s)
+            grouped_mm(act_q, w2_q, ends, act_s.view(-1), w2_s)
     else:
 
         def gemm_step(it: int) -> None:
-            grouped_mm(a_perm, w13, offsets)
-            grouped_mm(act, w2, offsets)
+            grouped_mm(a_perm, w13, ends)
+            grouped_mm(act, w2, ends)
 
     timer = (
         (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))

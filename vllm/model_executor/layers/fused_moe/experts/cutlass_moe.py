@@ -13,7 +13,10 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
-from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import grouped_mm
+from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    grouped_mm,
+    grouped_mm_ends,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
@@ -124,11 +127,12 @@ class CutlassExpertsFp8(FusedMoEExperts):
             scratch=scratch,
             permuted_a1q_scale=a_perm_scale,
         )
+        ends = grouped_mm_ends(offsets)
         gate_up = grouped_mm(
-            a_perm, self.w13, offsets, a_perm_scale.view(-1), self.w13_scale, out_dtype
+            a_perm, self.w13, ends, a_perm_scale.view(-1), self.w13_scale, out_dtype
         )
         act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
         act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
         quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
-        down = grouped_mm(act_q, self.w2, offsets, act_scale, self.w2_scale, out_dtype)
+        down = grouped_mm(act_q, self.w2, ends, act_scale, self.w2_scale, out_dtype)
         moe_unpermute(output, down, topk_weights, inv, offsets)

@@ -23,25 +23,31 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 )
 
 
+def grouped_mm_ends(expert_first_token_offset: torch.Tensor) -> torch.Tensor:
+    """The ``offs`` of torch's grouped GEMMs: int32 cumulative row ends per
+    expert. Computed once per layer call, shared by both GEMMs."""
+    return expert_first_token_offset[1:].to(torch.int32)
+
+
 def grouped_mm(
     a: torch.Tensor,
     w: torch.Tensor,
-    expert_first_token_offset: torch.Tensor,
+    expert_ends: torch.Tensor,
     scale_a: torch.Tensor | None = None,
     scale_w: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Rows of expert e (``offsets[e]:offsets[e+1]``) times ``w[e]^T``.
+    """Rows of expert e (``ends[e-1]:ends[e]``) times ``w[e]^T``.
 
-    ``a`` [R, K], ``w`` [E, N, K]; returns [R, N]. Rows at or past
-    ``offsets[-1]`` are left unspecified. With scales (fp8), ``scale_a`` [R]
-    per row and ``scale_w`` [E, N] per output channel.
+    ``a`` [R, K], ``w`` [E, N, K], ``expert_ends`` from
+    :func:`grouped_mm_ends`; returns [R, N]. Rows at or past ``ends[-1]`` are
+    left unspecified. With scales (fp8), ``scale_a`` [R] per row and
+    ``scale_w`` [E, N] per output channel.
     """
     if a.is_cuda:
-        offs = expert_first_token_offset[1:].to(torch.int32)
         if scale_a is None:
             return torch._grouped_mm(
-                a, w.transpose(1, 2), offs=offs, out_dtype=out_dtype
+                a, w.transpose(1, 2), offs=expert_ends, out_dtype=out_dtype
             )
         assert scale_w is not None
         return torch._scaled_grouped_mm(
@@ -49,12 +55,12 @@ def grouped_mm(
             w.transpose(1, 2),
             scale_a,
             scale_w,
-            offs=offs,
+            offs=expert_ends,
             out_dtype=out_dtype,
         )
     # CPU reference: one matmul per expert in fp32 (host sync is fine here).
     out = torch.zeros(a.shape[0], w.shape[1], dtype=out_dtype, device=a.device)
-    bounds = expert_first_token_offset.tolist()
+    bounds = [0, *expert_ends.tolist()]
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
@@ -129,8 +135,9 @@ class GroupedMMExperts(FusedMoEExperts):
             permuted_hidden_states=a_perm,
             scratch=scratch,
         )
-        gate_up = grouped_mm(a_perm, self.w13, offsets, out_dtype=dtype)
+        ends = grouped_mm_ends(offsets)
+        gate_up = grouped_mm(a_perm, self.w13, ends, out_dtype=dtype)
         act = carve(workspace2, (rows, moe.intermediate_size), dtype)
         apply_moe_activation(moe.activation, act, gate_up)
-        down = grouped_mm(act, self.w2, offsets, out_dtype=dtype)
+        down = grouped_mm(act, self.w2, ends, out_dtype=dtype)
         moe_unpermute(output, down, topk_weights, inv, offsets)
