@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.kernels.bench_utils import copy_bandwidth_gbps, time_graph_us
 from vllm.model_executor.kernels import moe_permute as mp
 
 TOPK = 8
@@ -37,27 +38,7 @@ def emit(line: str) -> None:
 def graph_us(fn: Callable[[], None], iters: int, reps: int = 7) -> float:
     """Median microseconds per call of ``fn`` over replays of a graph that
     holds ``iters`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return sorted(times)[len(times) // 2]
+    return time_graph_us(lambda _: fn(), iters, reps)
 
 
 def iters_for(nbytes: float) -> int:
@@ -248,11 +229,8 @@ def run_checks() -> None:
 
 
 def copy_tbps() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    tbps = 2 * src.numel() / (ms * 1e-3) / 1e12
-    emit(f"COPY 1GiB d2d: {ms * 1e3:.1f} us, {tbps:.3f} TB/s (read+write)")
+    tbps = copy_bandwidth_gbps(DEV) / 1e3
+    emit(f"COPY 1GiB d2d: {tbps:.3f} TB/s (read+write)")
     return tbps
 
 
