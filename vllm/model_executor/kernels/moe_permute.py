@@ -250,6 +250,38 @@ def _check_index(t: torch.Tensor, name: str, min_numel: int, dev: torch.device) 
         raise _error(name, f"a tensor on {dev}, got {t.device}")
 
 
+def _check_rows(
+    name: str,
+    t: torch.Tensor,
+    min_rows: int,
+    cols: int,
+    dtypes: tuple[torch.dtype, ...],
+    dev: torch.device,
+) -> None:
+    """A row buffer: [>= min_rows, cols] of one of ``dtypes``, unit last stride."""
+    if not (
+        t.dim() == 2
+        and t.dtype in dtypes
+        and t.shape[0] >= min_rows
+        and t.shape[1] == cols
+        and t.stride(1) == 1
+        and t.device == dev
+    ):
+        raise _error(
+            name,
+            f"a [>= {min_rows}, {cols}] tensor of {dtypes} on {dev} with unit last "
+            f"stride, got {t.dtype} {tuple(t.shape)} on {t.device}",
+        )
+
+
+def _check_row_offsets(t: torch.Tensor, dev: torch.device) -> None:
+    """Offsets the row kernels read (only their last entry, the valid rows)."""
+    if not (
+        t.dtype == torch.int64 and t.dim() == 1 and t.numel() >= 1 and t.device == dev
+    ):
+        raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
+
+
 def _check_offsets(t: torch.Tensor, name: str, n_local: int, dev: torch.device) -> None:
     if not (t.dtype == torch.int64 and t.dim() == 1 and t.numel() == n_local + 1):
         raise _error(
@@ -554,26 +586,8 @@ def _permute_rows_launch(
     if topk < 1:
         raise _error("topk", f">= 1, got {topk}")
     _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
-    if not (
-        expert_first_token_offset.dtype == torch.int64
-        and expert_first_token_offset.dim() == 1
-        and expert_first_token_offset.numel() >= 1
-        and expert_first_token_offset.device == dev
-    ):
-        raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
-    if not (
-        out.dim() == 2
-        and out.dtype == hidden_states.dtype
-        and out.shape[0] >= num_routes
-        and out.shape[1] == hidden
-        and out.stride(1) == 1
-        and out.device == dev
-    ):
-        raise _error(
-            "out",
-            f"a [>= {num_routes}, {hidden}] {hidden_states.dtype} tensor on {dev} "
-            f"with unit last stride, got {out.dtype} {tuple(out.shape)}",
-        )
+    _check_row_offsets(expert_first_token_offset, dev)
+    _check_rows("out", out, num_routes, hidden, (hidden_states.dtype,), dev)
     if not ((scale is None) == (out_scale is None)):
         raise _error("out_scale", "to be given exactly when scale is given")
     num_groups = 0
@@ -591,19 +605,9 @@ def _permute_rows_launch(
                 f"got {scale.dtype} {tuple(scale.shape)}",
             )
         num_groups = scale.shape[1]
-        if not (
-            out_scale.dim() == 2
-            and out_scale.dtype == torch.float32
-            and out_scale.shape[0] >= num_routes
-            and out_scale.shape[1] == num_groups
-            and out_scale.stride(1) == 1
-            and out_scale.device == dev
-        ):
-            raise _error(
-                "out_scale",
-                f"a [>= {num_routes}, {num_groups}] float32 tensor on {dev} with "
-                f"unit last stride, got {out_scale.dtype} {tuple(out_scale.shape)}",
-            )
+        _check_rows(
+            "out_scale", out_scale, num_routes, num_groups, (torch.float32,), dev
+        )
     if num_tokens == 0 or hidden == 0:
         return
     x_words = _as_words(hidden_states)
@@ -736,28 +740,17 @@ def check_unpermute_args(
         )
     topk = topk_weights.shape[1]
     num_routes = num_tokens * topk
-    if not (
-        permuted_hidden_states.dim() == 2
-        and permuted_hidden_states.dtype in _FLOAT_DTYPES
-        and permuted_hidden_states.shape[0] >= num_routes
-        and permuted_hidden_states.shape[1] == hidden
-        and permuted_hidden_states.stride(1) == 1
-        and permuted_hidden_states.device == dev
-    ):
-        raise _error(
-            "permuted_hidden_states",
-            f"a [>= {num_routes}, {hidden}] float tensor on {dev} with unit last "
-            f"stride, got {permuted_hidden_states.dtype} "
-            f"{tuple(permuted_hidden_states.shape)}",
-        )
+    _check_rows(
+        "permuted_hidden_states",
+        permuted_hidden_states,
+        num_routes,
+        hidden,
+        _FLOAT_DTYPES,
+        dev,
+    )
     _check_index(inv_permuted_idx, "inv_permuted_idx", num_routes, dev)
-    if expert_first_token_offset is not None and not (
-        expert_first_token_offset.dtype == torch.int64
-        and expert_first_token_offset.dim() == 1
-        and expert_first_token_offset.numel() >= 1
-        and expert_first_token_offset.device == dev
-    ):
-        raise _error("expert_first_token_offset", f"a 1-D int64 tensor on {dev}")
+    if expert_first_token_offset is not None:
+        _check_row_offsets(expert_first_token_offset, dev)
 
 
 def _unpermute_rows_launch(
