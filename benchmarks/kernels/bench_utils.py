@@ -8,6 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+# H200 SXM dense tensor-core peaks (TFLOP/s, no sparsity), by operand dtype.
+H200_PEAK_TFLOPS = {torch.bfloat16: 989.0, torch.float8_e4m3fn: 1979.0}
+
 
 def time_graph_us(step: Callable[[int], object], iters: int, repeats: int = 5) -> float:
     """Per-iteration time of ``iters`` steps captured in one CUDA graph.

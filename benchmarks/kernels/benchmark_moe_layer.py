@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import time_cpu_us, time_graph_us
+from benchmarks.kernels.bench_utils import H200_PEAK_TFLOPS, time_cpu_us, time_graph_us
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -60,6 +60,7 @@ class Row:
     tokens: int
     layer_us: float
     tflops: float
+    peak_fraction: float  # of the H200 dense peak for the GEMMs' operand dtype
     gemm_us: float
     outside_gemm_share: float | None
 
@@ -122,9 +123,11 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     gemm_us = timer(gemm_step)
     flops = 6 * tokens * moe.experts_per_token * k * i
     share = None if backend in W4A16_BACKENDS else max(0.0, 1 - gemm_us / layer_us)
-    return Row(
-        backend, tokens, layer_us, flops / (layer_us * 1e-6) / 1e12, gemm_us, share
-    )
+    tflops = flops / (layer_us * 1e-6) / 1e12
+    peak = H200_PEAK_TFLOPS[
+        torch.float8_e4m3fn if backend == "cutlass" else torch.bfloat16
+    ]
+    return Row(backend, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
 
 
 def main() -> None:
@@ -169,7 +172,8 @@ def main() -> None:
         f"intermediate {dims[3]}"
     )
     head = (
-        f"{'backend':>10} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} | "
+        f"{'backend':>10} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} "
+        f"{'of peak':>7} | "
         f"{'GEMMs alone us':>14} {'outside GEMMs':>13}"
     )
     print(head)
@@ -181,7 +185,8 @@ def main() -> None:
             else f"{100 * r.outside_gemm_share:.0f}%"
         )
         print(
-            f"{r.backend:>10} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} | "
+            f"{r.backend:>10} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} "
+            f"{100 * r.peak_fraction:>6.0f}% | "
             f"{r.gemm_us:>14.1f} {share:>13}"
         )
     if args.output_json:

@@ -46,7 +46,11 @@ SCHEME_IDS = [s.value for s in TOLERANCE]
 
 
 def moe_config(
-    scheme: QuantScheme, ep: bool = False, activation: str = "silu", **dims: Any
+    scheme: QuantScheme,
+    ep: bool = False,
+    activation: str = "silu",
+    topk: int = 8,
+    **dims: Any,
 ) -> FusedMoEConfig:
     sizes: dict[str, Any] = {
         "num_experts": NUM_EXPERTS,
@@ -55,7 +59,7 @@ def moe_config(
     }
     sizes.update(dims)
     return FusedMoEConfig(
-        experts_per_token=8,
+        experts_per_token=topk,
         activation=activation,
         ep_size=4 if ep else 1,
         ep_rank=1 if ep else 0,
@@ -76,10 +80,12 @@ def random_weights(
 
 @functools.cache
 def cached_experts(
-    scheme: QuantScheme, ep: bool, activation: str = "silu"
+    scheme: QuantScheme, ep: bool, activation: str = "silu", topk: int = 8
 ) -> tuple[HummingGroupedExperts, torch.Tensor, torch.Tensor]:
-    """Experts plus their dequantized weights as CPU float64 (reference input)."""
-    moe = moe_config(scheme, ep, activation)
+    """Experts plus their dequantized weights as CPU float64 (reference input).
+
+    The weights depend on neither ``topk`` nor the call: one set per scheme."""
+    moe = moe_config(scheme, ep, activation, topk)
     experts = HummingGroupedExperts.from_unquantized(moe, *random_weights(moe, "cuda"))
     w13, w2 = experts.dequantized_weights()
     return experts, w13.cpu().double(), w2.cpu().double()
@@ -100,10 +106,10 @@ def run_and_check(
     w13: torch.Tensor,
     w2: torch.Tensor,
     num_tokens: int,
-    topk: int,
     seed: int = 0,
 ) -> float:
     moe = experts.moe
+    topk = moe.experts_per_token
     gen = torch.Generator().manual_seed(seed + 1)
     hidden = torch.randn(num_tokens, moe.hidden_size, generator=gen)
     hidden = hidden.to("cuda", torch.bfloat16)
@@ -138,12 +144,12 @@ def test_matches_reference(
     workspace_init: WorkspaceManager, scheme: QuantScheme, ep: bool
 ) -> None:
     pytest.importorskip("humming")
-    experts, w13, w2 = cached_experts(scheme, ep)
     errors = {}
-    for num_tokens in (1, 7, 64, 1024):
-        for topk in (1, 2, 8):
+    for topk in (1, 2, 8):
+        experts, w13, w2 = cached_experts(scheme, ep, topk=topk)
+        for num_tokens in (1, 7, 64, 1024):
             errors[num_tokens, topk] = run_and_check(
-                experts, w13, w2, num_tokens, topk, seed=num_tokens * 10 + topk
+                experts, w13, w2, num_tokens, seed=num_tokens * 10 + topk
             )
     worst = max(errors.values())
     assert worst < TOLERANCE[scheme], errors
@@ -152,9 +158,11 @@ def test_matches_reference(
 @pytest.mark.gpu
 def test_swiglu_activation(workspace_init: WorkspaceManager) -> None:
     pytest.importorskip("humming")
-    experts, w13, w2 = cached_experts(QuantScheme.W4A16_UINT4, False, "swiglu")
     for num_tokens, topk in ((7, 2), (64, 8)):
-        error = run_and_check(experts, w13, w2, num_tokens, topk)
+        experts, w13, w2 = cached_experts(
+            QuantScheme.W4A16_UINT4, False, "swiglu", topk
+        )
+        error = run_and_check(experts, w13, w2, num_tokens)
         assert error < TOLERANCE[QuantScheme.W4A16_UINT4]
 
 
@@ -198,8 +206,8 @@ def test_prequantized_fp8_permutes_into_workspace13(
         return moe_permute(*args, **kwargs)
 
     monkeypatch.setattr(fused_humming_moe, "moe_permute", spy)
-    experts, w13, w2 = cached_experts(QuantScheme.FP8_BLOCK, False)
-    assert run_and_check(experts, w13, w2, 64, 2) < TOLERANCE[QuantScheme.FP8_BLOCK]
+    experts, w13, w2 = cached_experts(QuantScheme.FP8_BLOCK, False, topk=2)
+    assert run_and_check(experts, w13, w2, 64) < TOLERANCE[QuantScheme.FP8_BLOCK]
     buffer, scales = permuted
     (workspace13,) = record_workspaces
     assert buffer.dtype == torch.float8_e4m3fn
@@ -236,7 +244,7 @@ def test_scatter_quantizes_into_workspace13(
 
     monkeypatch.setattr(forward, "may_process_input", spy)
     experts, w13, w2 = cached_experts(scheme, True)
-    assert run_and_check(experts, w13, w2, 64, 8) < TOLERANCE[scheme]
+    assert run_and_check(experts, w13, w2, 64) < TOLERANCE[scheme]
     (workspace13,) = record_workspaces
     scatter, activation = calls
     assert scatter["layout"] == "scatter"
@@ -255,9 +263,9 @@ def test_scatter_quantizes_into_workspace13(
 @pytest.mark.gpu
 def test_locks_come_from_the_manager(workspace_init: WorkspaceManager) -> None:
     pytest.importorskip("humming")
-    experts, w13, w2 = cached_experts(QuantScheme.W4A16_UINT4, False)
     for num_tokens, topk in ((7, 8), (64, 2)):
-        run_and_check(experts, w13, w2, num_tokens, topk)
+        experts, w13, w2 = cached_experts(QuantScheme.W4A16_UINT4, False, topk=topk)
+        run_and_check(experts, w13, w2, num_tokens)
     device = torch.device("cuda", torch.cuda.current_device())
     key = ("humming_locks", str(device))
     resources = [
@@ -303,8 +311,8 @@ def test_locks_come_from_the_manager(workspace_init: WorkspaceManager) -> None:
 def test_runs_without_manager() -> None:
     pytest.importorskip("humming")
     reset_workspace_manager()
-    experts, w13, w2 = cached_experts(QuantScheme.W4A16_MXFP4, False)
-    assert run_and_check(experts, w13, w2, 7, 2) < TOLERANCE[QuantScheme.W4A16_MXFP4]
+    experts, w13, w2 = cached_experts(QuantScheme.W4A16_MXFP4, False, topk=2)
+    assert run_and_check(experts, w13, w2, 7) < TOLERANCE[QuantScheme.W4A16_MXFP4]
 
 
 @pytest.mark.gpu

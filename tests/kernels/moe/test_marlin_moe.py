@@ -31,7 +31,7 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     MARLIN_WORKSPACE_KEY,
     get_marlin_workspace,
 )
-from vllm.v1.worker.workspace import WorkspaceManager
+from vllm.v1.worker.workspace import WorkspaceManager, canonical_device
 
 CUDA = torch.cuda.is_available()
 W4A16 = FusedMoEQuantConfig(QuantScheme.W4A16_UINT4)
@@ -142,7 +142,8 @@ def test_locks_from_manager_not_experts(
     locks = {
         r.key: r.nbytes
         for r in report.resources_of_type("Tensor")
-        if isinstance(r.key, tuple) and r.key[0] == (MARLIN_WORKSPACE_KEY, str(device))
+        if isinstance(r.key, tuple)
+        and r.key[0] == (MARLIN_WORKSPACE_KEY, str(canonical_device(device)))
     }
     buffer = get_marlin_workspace(device)
     assert list(locks.values()) == [buffer.nbytes] and int(buffer.abs().sum()) == 0

@@ -294,8 +294,7 @@ def test_compiled_module_resolves_workspace_per_slot(device):
         model = TwoLinears(device)
         x = torch.randn(16, 256, device=device, dtype=torch.bfloat16)
         expected = model(x)
-        backend = "inductor" if CUDA else "aot_eager"
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        compiled = torch.compile(model, fullgraph=True)
         with torch._dynamo.config.patch(error_on_recompile=True):
             torch.testing.assert_close(compiled(x), expected, rtol=2e-2, atol=2e-2)
             with use_workspace_lane(1):

@@ -86,10 +86,15 @@ def marlin_dequantize(
 
 # -- runtime op --------------------------------------------------------------
 
+# The workspace is scratch, not an output: the lock protocol returns every
+# counter to zero before the kernel exits, so its value is the same after the
+# call and the schema does not mark it mutated. Marked (a!), functionalization
+# would clone or copy back an explicit buffer on every call, and inductor
+# (torch 2.11-2.13) cannot lower the op when that only mutable argument is None.
 _lib = torch.library.Library("vllm", "FRAGMENT")
 _lib.define(
     "marlin_gemm(Tensor a, Tensor b_q_weight, Tensor b_scales, "
-    "Tensor(a!)? workspace, SymInt group_size, SymInt size_n, SymInt size_k) "
+    "Tensor? workspace, SymInt group_size, SymInt size_n, SymInt size_k) "
     "-> Tensor"
 )
 
