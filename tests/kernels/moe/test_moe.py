@@ -321,9 +321,12 @@ def test_graph_captured_before_reload_uses_new_weights(workspace_init, backend):
     workspace_init.lock()
     load_random_weights(layer, seed=7)
     layer.process_weights_after_loading()
-    graph.replay()
     fresh = make_layer(moe, "cuda", backend, seed=7)
-    with torch.cuda.stream(stream):  # per-stream lock buffers exist only here
+    stream.wait_stream(torch.cuda.current_stream())
+    # Both on the capture stream, in order: they share its workspace and its
+    # lock buffers (which exist only there after lock).
+    with torch.cuda.stream(stream):
+        graph.replay()
         expected = fresh(hidden, logits)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
