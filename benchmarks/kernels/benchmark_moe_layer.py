@@ -44,14 +44,16 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 )
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
+# Benchmark label -> (experts backend, scheme).
 BACKENDS = {
-    "grouped_mm": QuantScheme.UNQUANTIZED,
-    "cutlass": QuantScheme.FP8_PER_TOKEN,
-    "humming": QuantScheme.W4A16_UINT4,
-    "marlin": QuantScheme.W4A16_UINT4,
+    "grouped_mm": ("grouped_mm", QuantScheme.UNQUANTIZED),
+    "cutlass": ("cutlass", QuantScheme.FP8_PER_TOKEN),
+    "humming": ("humming", QuantScheme.W4A16_UINT4),
+    "humming_fp8": ("humming", QuantScheme.FP8_PER_TOKEN),
+    "marlin": ("marlin", QuantScheme.W4A16_UINT4),
 }
-# W4A16 backends: their GEMMs are compared with the bf16 grouped GEMMs.
-W4A16_BACKENDS = ("humming", "marlin")
+# W4A16 layers are compared with the bf16 grouped GEMMs, fp8 ones with fp8.
+W4A16 = QuantScheme.W4A16_UINT4
 
 
 @dataclass
@@ -73,12 +75,14 @@ def humming_available() -> bool:
     return torch.cuda.is_available()
 
 
-def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
+def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     cuda = device.type == "cuda"
     e, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
     w13 = (torch.randn(e, 2 * i, k, device=device) / k**0.5).to(moe.in_dtype)
     w2 = (torch.randn(e, k, i, device=device) / i**0.5).to(moe.in_dtype)
-    experts = make_experts(moe, w13, w2, backend)
+    experts = make_experts(moe, w13, w2, BACKENDS[label][0])
+    scheme = moe.quant_config.scheme
+    fp8 = scheme == QuantScheme.FP8_PER_TOKEN
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     hidden = torch.randn(tokens, k, device=device, dtype=moe.in_dtype)
     iters = 20 if tokens < 1024 else 5
@@ -101,7 +105,7 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     )
     ends = grouped_mm_ends(offsets)
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
-    if backend == "cutlass":
+    if fp8:
         a_q, a_s = per_token_quant_fp8(a_perm)
         act_q, act_s = per_token_quant_fp8(act)
         w13_q, w13_s = per_channel_quant_fp8(w13)
@@ -122,12 +126,10 @@ def bench(backend: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     layer_us = timer(layer_step)
     gemm_us = timer(gemm_step)
     flops = 6 * tokens * moe.experts_per_token * k * i
-    share = None if backend in W4A16_BACKENDS else max(0.0, 1 - gemm_us / layer_us)
+    share = None if scheme == W4A16 else max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
-    peak = H200_PEAK_TFLOPS[
-        torch.float8_e4m3fn if backend == "cutlass" else torch.bfloat16
-    ]
-    return Row(backend, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
+    peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
+    return Row(label, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
 
 
 def main() -> None:
@@ -144,7 +146,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     backends = args.backends or [
-        b for b in BACKENDS if b != "humming" or humming_available()
+        b
+        for b, (backend, _) in BACKENDS.items()
+        if backend != "humming" or humming_available()
     ]
     tokens = args.tokens or ([1, 64, 1024, 8192] if cuda else [1, 16])
     dims = (args.num_experts, args.topk, args.hidden_size, args.intermediate_size)
@@ -155,15 +159,15 @@ def main() -> None:
     reset_workspace_manager()
     init_workspace_manager(device)
     rows: list[Row] = []
-    for backend in tqdm(backends, desc="backends"):
+    for label in tqdm(backends, desc="backends"):
         moe = FusedMoEConfig(
             num_experts=dims[0],
             experts_per_token=dims[1],
             hidden_size=dims[2],
             intermediate_size=dims[3],
-            quant_config=FusedMoEQuantConfig(BACKENDS[backend]),
+            quant_config=FusedMoEQuantConfig(BACKENDS[label][1]),
         )
-        rows.extend(bench(backend, t, moe, device) for t in tokens)
+        rows.extend(bench(label, t, moe, device) for t in tokens)
     reset_workspace_manager()
 
     name = torch.cuda.get_device_name() if cuda else "CPU (reference loops)"
@@ -172,7 +176,7 @@ def main() -> None:
         f"intermediate {dims[3]}"
     )
     head = (
-        f"{'backend':>10} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} "
+        f"{'backend':>11} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} "
         f"{'of peak':>7} | "
         f"{'GEMMs alone us':>14} {'outside GEMMs':>13}"
     )
@@ -185,7 +189,7 @@ def main() -> None:
             else f"{100 * r.outside_gemm_share:.0f}%"
         )
         print(
-            f"{r.backend:>10} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} "
+            f"{r.backend:>11} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} "
             f"{100 * r.peak_fraction:>6.0f}% | "
             f"{r.gemm_us:>14.1f} {share:>13}"
         )
