@@ -12,23 +12,30 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.kernels.bench_utils import H200_PEAK_TFLOPS, time_graph_us
-from vllm.model_executor.kernels.grouped_gemm_fp8 import FP8_DTYPE, grouped_gemm_fp8
+from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    FP8_DTYPE,
+    GroupedGemmConfig,
+    default_config,
+    grouped_gemm_fp8,
+)
 
-# (block_m, block_n, block_k, num_warps, num_stages)
-CONFIGS = [
-    (128, 128, 128, 8, 4),
-    (128, 256, 128, 8, 3),
-    (128, 128, 64, 4, 5),
-    (64, 128, 128, 4, 4),
-    (128, 64, 128, 4, 4),
-    (256, 128, 128, 8, 3),
+SWEEP = [
+    GroupedGemmConfig(*c)
+    for c in [
+        (128, 128, 128, 8, 4),
+        (128, 256, 128, 8, 3),
+        (128, 128, 64, 4, 5),
+        (64, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4),
+        (256, 128, 128, 8, 3),
+    ]
 ]
 
 
@@ -68,10 +75,11 @@ def bench(
     torch_us = time_graph_us(torch_step, iters)
     flops = 2 * rows * n * k
     results = []
-    for config in CONFIGS if args.sweep else CONFIGS[:1]:
+    configs = SWEEP if args.sweep else [default_config(rows, args.num_experts)]
+    for config in configs:
 
-        def triton_step(_: int, config: tuple[int, ...] = config) -> None:
-            grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out, *config)
+        def triton_step(_: int, config: GroupedGemmConfig = config) -> None:
+            grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out, config)
 
         triton_us = time_graph_us(triton_step, iters)
         tflops = flops / (triton_us * 1e-6) / 1e12
@@ -79,7 +87,7 @@ def bench(
             Row(
                 gemm,
                 tokens,
-                "x".join(map(str, config)),
+                "x".join(map(str, astuple(config))),
                 torch_us,
                 triton_us,
                 tflops,
@@ -97,7 +105,11 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--intermediate-size", type=int, default=768)
-    parser.add_argument("--sweep", action="store_true", help="time every config")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time every tile config (default: the launcher's choice)",
+    )
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

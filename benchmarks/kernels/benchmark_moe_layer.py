@@ -4,8 +4,9 @@ For each backend and token count: the modular kernel's forward (permute,
 GEMM1, activation, GEMM2, unpermute; routing given) timed under CUDA-graph
 replay, its TFLOP/s, and the share of time outside the GEMMs, taken as
 1 - (the same two grouped GEMMs alone on the same permuted data) / (layer).
-The GEMMs alone are ``torch._grouped_mm`` (bf16) or ``_scaled_grouped_mm``
-(fp8). The W4A16 backends (Marlin; Humming when installed) are compared with
+The GEMMs alone are ``torch._grouped_mm`` (bf16) or the FP8 backend's own
+(``_scaled_grouped_mm`` for cutlass, the Triton kernel for triton_fp8). The
+W4A16 backends (Marlin; Humming when installed) are compared with
 the bf16 GEMMs.
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
     QuantScheme,
 )
+from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     grouped_mm,
     grouped_mm_ends,
@@ -48,6 +50,7 @@ from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_man
 BACKENDS = {
     "grouped_mm": ("grouped_mm", QuantScheme.UNQUANTIZED),
     "cutlass": ("cutlass", QuantScheme.FP8_PER_TOKEN),
+    "triton_fp8": ("triton_fp8", QuantScheme.FP8_PER_TOKEN),
     "humming": ("humming", QuantScheme.W4A16_UINT4),
     "humming_fp8": ("humming", QuantScheme.FP8_PER_TOKEN),
     "marlin": ("marlin", QuantScheme.W4A16_UINT4),
@@ -106,14 +109,21 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     ends = grouped_mm_ends(offsets)
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
     if fp8:
+        assert isinstance(experts, CutlassExpertsFp8)
+        fp8_experts = experts
         a_q, a_s = per_token_quant_fp8(a_perm)
         act_q, act_s = per_token_quant_fp8(act)
         w13_q, w13_s = per_channel_quant_fp8(w13)
         w2_q, w2_s = per_channel_quant_fp8(w2)
 
-        def gemm_step(it: int) -> None:
-            grouped_mm(a_q, w13_q, ends, a_s.view(-1), w13_s)
-            grouped_mm(act_q, w2_q, ends, act_s.view(-1), w2_s)
+        def gemm_step(it: int) -> None:  # the backend's own grouped GEMMs
+            for x, x_s, w, w_s in (
+                (a_q, a_s, w13_q, w13_s),
+                (act_q, act_s, w2_q, w2_s),
+            ):
+                fp8_experts.grouped_gemm(
+                    x, x_s.view(-1), w, w_s, offsets, ends, moe.in_dtype
+                )
     else:
 
         def gemm_step(it: int) -> None:

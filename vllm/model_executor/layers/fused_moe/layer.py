@@ -18,6 +18,9 @@ from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpe
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
+    TritonExpertsFp8,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     FusedMoEModularKernel,
@@ -30,7 +33,7 @@ from vllm.v1.worker.workspace import (
     is_workspace_manager_initialized,
 )
 
-BACKENDS = ("auto", "grouped_mm", "cutlass", "humming", "marlin")
+BACKENDS = ("auto", "grouped_mm", "cutlass", "triton_fp8", "humming", "marlin")
 
 _layers: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
 
@@ -43,12 +46,15 @@ def make_experts(
     if backend == "auto":
         backend = {
             QuantScheme.UNQUANTIZED: "grouped_mm",
-            QuantScheme.FP8_PER_TOKEN: "cutlass",
+            # 1.3-3x faster GEMMs than _scaled_grouped_mm on the H200.
+            QuantScheme.FP8_PER_TOKEN: "triton_fp8",
         }.get(scheme, "humming")
     if backend == "grouped_mm":
         return GroupedMMExperts(moe, w13, w2)
     if backend == "cutlass":
         return CutlassExpertsFp8.from_unquantized(moe, w13, w2)
+    if backend == "triton_fp8":
+        return TritonExpertsFp8.from_unquantized(moe, w13, w2)
     if backend == "humming":
         from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
             HummingGroupedExperts,

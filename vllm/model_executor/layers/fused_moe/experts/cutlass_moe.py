@@ -9,6 +9,8 @@ workspace13 (free again by then).
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
@@ -64,7 +66,7 @@ class CutlassExpertsFp8(FusedMoEExperts):
     @classmethod
     def from_unquantized(
         cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
-    ) -> CutlassExpertsFp8:
+    ) -> Self:
         w13_q, w13_scale = per_channel_quant_fp8(w13)
         w2_q, w2_scale = per_channel_quant_fp8(w2)
         return cls(moe, w13_q, w13_scale, w2_q, w2_scale)
@@ -74,6 +76,19 @@ class CutlassExpertsFp8(FusedMoEExperts):
             self.w13.float() * self.w13_scale[..., None],
             self.w2.float() * self.w2_scale[..., None],
         )
+
+    def grouped_gemm(
+        self,
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+        w: torch.Tensor,
+        w_scale: torch.Tensor,
+        expert_first_token_offset: torch.Tensor,
+        expert_ends: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[R, N] in ``out_dtype``; rows past the last expert unspecified."""
+        return grouped_mm(a, w, expert_ends, a_scale, w_scale, out_dtype)
 
     def workspace_shapes(
         self,
@@ -104,7 +119,6 @@ class CutlassExpertsFp8(FusedMoEExperts):
     ) -> None:
         moe = self.moe
         rows, inter = topk_ids.numel(), moe.intermediate_size
-        out_dtype = output.dtype
         scratch = self.permute_scratch(hidden_states.device)
         num_tokens, hidden = hidden_states.shape
         a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
@@ -128,11 +142,19 @@ class CutlassExpertsFp8(FusedMoEExperts):
             permuted_a1q_scale=a_perm_scale,
         )
         ends = grouped_mm_ends(offsets)
-        gate_up = grouped_mm(
-            a_perm, self.w13, ends, a_perm_scale.view(-1), self.w13_scale, out_dtype
+        gate_up = self.grouped_gemm(
+            a_perm,
+            a_perm_scale.view(-1),
+            self.w13,
+            self.w13_scale,
+            offsets,
+            ends,
+            output.dtype,
         )
         act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
         act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
         quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
-        down = grouped_mm(act_q, self.w2, ends, act_scale, self.w2_scale, out_dtype)
+        down = self.grouped_gemm(
+            act_q, act_scale, self.w2, self.w2_scale, offsets, ends, output.dtype
+        )
         moe_unpermute(output, down, topk_weights, inv, offsets)
