@@ -20,6 +20,7 @@ last slice brings it back to 0, so every call leaves the lock buffer zero and
 no memset is needed between calls.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -365,6 +366,7 @@ class MarlinConfig:
     group_n: int = 8
 
 
+@functools.cache  # host time per GEMM call matters; SM counts never change
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -421,6 +423,7 @@ def _largest_split(tiles: int, iters: int, max_split: int, limit: int) -> int:
     return split
 
 
+@functools.lru_cache(maxsize=4096)
 def _default_config(m: int, n: int, k: int, device: torch.device) -> MarlinConfig:
     bm, bn, warps, stages, max_split = _tile_for_m(m)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -438,6 +441,7 @@ def _grouped_m_tiles(rows: int, experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) + min(experts, rows)
 
 
+@functools.lru_cache(maxsize=4096)
 def _grouped_config(
     rows: int, experts: int, n: int, k: int, device: torch.device
 ) -> MarlinConfig:
