@@ -84,12 +84,15 @@ def bench_shape(n: int, k: int, ms: list[int], copy_gbps: float) -> list[Row]:
     return rows
 
 
-def host_overhead_us(calls: int = 2000) -> tuple[float, float]:
-    """Host time per call: the op (workspace lookup inside) vs the kernel."""
-    n, k = 256, 256  # tiny GEMM: the host, not the GPU, sets the pace
+def host_overhead_us(calls: int = 2000) -> dict[str, float]:
+    """Host time per call of the op and of its parts, on a tiny GEMM (the
+    host, not the GPU, sets the pace): the differences split the op's cost
+    into dispatch and the workspace lookup."""
+    n, k = 256, 256
     w = torch.randn(n, k, device="cuda")
     packed, scales = marlin_quantize_and_repack(w, GROUP_SIZE, torch.bfloat16)
     a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w_bf16 = w.to(torch.bfloat16)
     workspace = get_marlin_workspace("cuda")
 
     def per_call(fn) -> float:
@@ -104,19 +107,28 @@ def host_overhead_us(calls: int = 2000) -> tuple[float, float]:
         return elapsed * 1e6 / calls
 
     op = torch.ops.vllm.marlin_gemm
-    op_us = per_call(lambda: op(a, packed, scales, None, GROUP_SIZE, n, k))
-    direct_us = per_call(
-        lambda: kernel.marlin_gemm(
-            a, packed, scales, workspace, group_size=GROUP_SIZE, size_n=n, size_k=k
-        )
-    )
-    return op_us, direct_us
+    return {
+        "op, workspace resolved inside": per_call(
+            lambda: op(a, packed, scales, None, GROUP_SIZE, n, k)
+        ),
+        "op, workspace given": per_call(
+            lambda: op(a, packed, scales, workspace, GROUP_SIZE, n, k)
+        ),
+        "direct kernel call": per_call(
+            lambda: kernel.marlin_gemm(
+                a, packed, scales, workspace, group_size=GROUP_SIZE, size_n=n, size_k=k
+            )
+        ),
+        "workspace lookup alone": per_call(lambda: get_marlin_workspace(a.device)),
+        "bf16 torch.matmul": per_call(lambda: a @ w_bf16.t()),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=None, help="NxK, e.g. 8192x8192")
     parser.add_argument("--m", type=int, nargs="+", default=M_VALUES)
+    parser.add_argument("--host-only", action="store_true", help="host costs only")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -133,9 +145,9 @@ def main() -> None:
     init_workspace_manager("cuda")
     copy_gbps = copy_bandwidth_gbps(torch.device("cuda"))
     rows: list[Row] = []
-    for n, k in tqdm(shapes, desc="shapes"):
+    for n, k in tqdm([] if args.host_only else shapes, desc="shapes"):
         rows += bench_shape(n, k, args.m, copy_gbps)
-    op_us, direct_us = host_overhead_us()
+    host_us = host_overhead_us()
     reset_workspace_manager()
 
     print(
@@ -153,18 +165,16 @@ def main() -> None:
             f"{f'{r.n}x{r.k}':>12} {r.m:>5} | {r.marlin_us:>9.1f} {r.bf16_us:>8.1f} "
             f"{r.speedup:>7.2f} | {r.weight_gbps:>12.0f} {100 * r.copy_frac:>5.0f}%"
         )
-    print(
-        f"host time per call: torch.ops.vllm.marlin_gemm {op_us:.1f} us, "
-        f"direct kernel call {direct_us:.1f} us (+{op_us - direct_us:.1f} us)"
-    )
+    print("host time per call (M=1, 256x256):")
+    for name, us in host_us.items():
+        print(f"  {name:<32} {us:>6.1f} us")
     if args.output_json:
         args.output_json.write_text(
             json.dumps(
                 {
                     "device": torch.cuda.get_device_name(),
                     "copy_gbps": copy_gbps,
-                    "op_host_us": op_us,
-                    "direct_host_us": direct_us,
+                    "host_us": host_us,
                     "rows": [asdict(r) for r in rows],
                 },
                 indent=2,

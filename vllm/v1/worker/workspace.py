@@ -84,8 +84,10 @@ def _stream_key(device: torch.device) -> Hashable:
     """Identity of the current stream on ``device`` (a constant on CPU)."""
     if device.type != "cuda":
         return ("stream", device.type)
-    stream = torch.cuda.current_stream(device)
-    return ("stream", stream.device_index, stream.stream_id)
+    # (stream_id, device_index, device_type) without building a Stream object:
+    # this runs on every per-stream lookup, i.e. on every GEMM call.
+    stream_id, device_index, _ = torch._C._cuda_getCurrentStream(device.index)
+    return ("stream", device_index, stream_id)
 
 
 def tensor_storage_bytes(obj: object) -> int:
@@ -386,10 +388,10 @@ class WorkspaceManager:
         """
         slot = self._current_slot()
         full_key = self._resource_key(key, per_stream)
-        shape = tuple(int(s) for s in shape)
         tensor = slot.tensors.get(full_key)
+        shape = tuple(shape)
         if tensor is not None:
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            if tensor.shape != shape or tensor.dtype != dtype:
                 raise ValueError(
                     f"persistent tensor {full_key!r} exists as {tuple(tensor.shape)} "
                     f"{tensor.dtype}, but {shape} {dtype} was requested"
