@@ -5,9 +5,9 @@ GEMM1, activation, GEMM2, unpermute; routing given) timed under CUDA-graph
 replay, its TFLOP/s, and the share of time outside the GEMMs, taken as
 1 - (the same two grouped GEMMs alone on the same permuted data) / (layer).
 The GEMMs alone are ``torch._grouped_mm`` (bf16) or the FP8 backend's own
-(``_scaled_grouped_mm`` for cutlass, the Triton kernel for triton_fp8). The
-W4A16 backends (Marlin; Humming when installed) are compared with
-the bf16 GEMMs.
+(``_scaled_grouped_mm`` for cutlass, the Triton kernel for triton_fp8); the
+share is shown only for those. Humming and Marlin layers are listed beside
+them without a share (their GEMMs are their own kernels).
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
 """
@@ -55,8 +55,6 @@ BACKENDS = {
     "humming_fp8": ("humming", QuantScheme.FP8_PER_TOKEN),
     "marlin": ("marlin", QuantScheme.W4A16_UINT4),
 }
-# W4A16 layers are compared with the bf16 grouped GEMMs, fp8 ones with fp8.
-W4A16 = QuantScheme.W4A16_UINT4
 
 
 @dataclass
@@ -108,22 +106,26 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     )
     ends = grouped_mm_ends(offsets)
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
+    # The share outside the GEMMs is only meaningful against the layer's own
+    # GEMMs: bf16 and our FP8 backends. Others are compared with torch's.
+    own_gemms = scheme == QuantScheme.UNQUANTIZED or isinstance(
+        experts, CutlassExpertsFp8
+    )
     if fp8:
-        assert isinstance(experts, CutlassExpertsFp8)
-        fp8_experts = experts
         a_q, a_s = per_token_quant_fp8(a_perm)
         act_q, act_s = per_token_quant_fp8(act)
         w13_q, w13_s = per_channel_quant_fp8(w13)
         w2_q, w2_s = per_channel_quant_fp8(w2)
 
-        def gemm_step(it: int) -> None:  # the backend's own grouped GEMMs
+        def gemm_step(it: int) -> None:
             for x, x_s, w, w_s in (
-                (a_q, a_s, w13_q, w13_s),
-                (act_q, act_s, w2_q, w2_s),
+                (a_q, a_s.view(-1), w13_q, w13_s),
+                (act_q, act_s.view(-1), w2_q, w2_s),
             ):
-                fp8_experts.grouped_gemm(
-                    x, x_s.view(-1), w, w_s, offsets, ends, moe.in_dtype
-                )
+                if isinstance(experts, CutlassExpertsFp8):
+                    experts.grouped_gemm(x, x_s, w, w_s, offsets, ends, moe.in_dtype)
+                else:
+                    grouped_mm(x, w, ends, x_s, w_s, moe.in_dtype)
     else:
 
         def gemm_step(it: int) -> None:
@@ -136,7 +138,7 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     layer_us = timer(layer_step)
     gemm_us = timer(gemm_step)
     flops = 6 * tokens * moe.experts_per_token * k * i
-    share = None if scheme == W4A16 else max(0.0, 1 - gemm_us / layer_us)
+    share = max(0.0, 1 - gemm_us / layer_us) if own_gemms else None
     tflops = flops / (layer_us * 1e-6) / 1e12
     peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
     return Row(label, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
