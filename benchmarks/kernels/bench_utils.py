@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,3 +65,13 @@ def copy_bandwidth_gbps(device: torch.device) -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def write_results(
+    path: Path | None, device: str, rows: Sequence[Any], **extra: object
+) -> None:
+    """The benchmark's JSON: device, extra fields, then one object per row
+    (dataclass instances); nothing when ``path`` is None."""
+    if path is not None:
+        payload = {"device": device, **extra, "rows": [asdict(r) for r in rows]}
+        path.write_text(json.dumps(payload, indent=2))

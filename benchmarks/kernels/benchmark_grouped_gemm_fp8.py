@@ -11,14 +11,17 @@ the H200's dense fp8 peak. ``--sweep`` also times each Triton tile config.
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import H200_PEAK_TFLOPS, time_graph_us
+from benchmarks.kernels.bench_utils import (
+    H200_PEAK_TFLOPS,
+    time_graph_us,
+    write_results,
+)
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
@@ -141,10 +144,7 @@ def main() -> None:
             f"{r.triton_us:>9.1f} {r.triton_tflops:>8.1f} "
             f"{100 * r.peak_fraction:>6.0f}% {r.speedup:>7.2f}"
         )
-    if args.output_json:
-        args.output_json.write_text(
-            json.dumps({"device": name, "rows": [asdict(r) for r in rows]}, indent=2)
-        )
+    write_results(args.output_json, name, rows)
 
 
 if __name__ == "__main__":

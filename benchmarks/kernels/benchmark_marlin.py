@@ -13,15 +13,14 @@ direct kernel call with a given workspace.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import copy_bandwidth_gbps
+from benchmarks.kernels.bench_utils import copy_bandwidth_gbps, write_results
 from vllm.model_executor.kernels import marlin_gemm as kernel
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     get_marlin_workspace,
@@ -168,18 +167,13 @@ def main() -> None:
     print("host time per call (M=1, 256x256):")
     for name, us in host_us.items():
         print(f"  {name:<32} {us:>6.1f} us")
-    if args.output_json:
-        args.output_json.write_text(
-            json.dumps(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "copy_gbps": copy_gbps,
-                    "host_us": host_us,
-                    "rows": [asdict(r) for r in rows],
-                },
-                indent=2,
-            )
-        )
+    write_results(
+        args.output_json,
+        torch.cuda.get_device_name(),
+        rows,
+        copy_gbps=copy_gbps,
+        host_us=host_us,
+    )
 
 
 if __name__ == "__main__":

@@ -15,14 +15,18 @@ them without a share (their GEMMs are their own kernels).
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import H200_PEAK_TFLOPS, time_cpu_us, time_graph_us
+from benchmarks.kernels.bench_utils import (
+    H200_PEAK_TFLOPS,
+    time_cpu_us,
+    time_graph_us,
+    write_results,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -205,10 +209,7 @@ def main() -> None:
             f"{100 * r.peak_fraction:>6.0f}% | "
             f"{r.gemm_us:>14.1f} {share:>13}"
         )
-    if args.output_json:
-        args.output_json.write_text(
-            json.dumps({"device": name, "rows": [asdict(r) for r in rows]}, indent=2)
-        )
+    write_results(args.output_json, name, rows)
 
 
 if __name__ == "__main__":

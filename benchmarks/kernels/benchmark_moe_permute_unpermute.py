@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from benchmarks.kernels.bench_utils import (
     copy_bandwidth_gbps,
     time_cpu_us,
     time_graph_us,
+    write_results,
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     get_moe_permute_scratch,
@@ -261,18 +262,13 @@ def main() -> None:
             f"{100 * r.unpermute_copy_frac:>5.0f}% {r.unpermute_speedup:>7.2f} | "
             f"{r.scratch_bytes / 1024:>11.1f}"
         )
-    if args.output_json:
-        args.output_json.write_text(
-            json.dumps(
-                {
-                    "device": name,
-                    "model_config": args.model_config,
-                    "copy_gbps": copy_gbps,
-                    "rows": [asdict(r) for r in rows],
-                },
-                indent=2,
-            )
-        )
+    write_results(
+        args.output_json,
+        name,
+        rows,
+        model_config=args.model_config,
+        copy_gbps=copy_gbps,
+    )
     reset_workspace_manager()
 
 
