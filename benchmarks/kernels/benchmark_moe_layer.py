@@ -68,7 +68,7 @@ class Row:
     layer_us: float
     tflops: float
     peak_fraction: float  # of the H200 dense peak for the GEMMs' operand dtype
-    gemm_us: float
+    gemm_us: float | None
     outside_gemm_share: float | None
 
 
@@ -104,45 +104,43 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     def layer_step(it: int) -> None:
         kernel.forward(hidden, *routings[it])
 
-    # The GEMMs alone, on permuted data of the same routing.
+    timer = (
+        (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))
+    )
+    layer_us = timer(layer_step)
+    flops = 6 * tokens * moe.experts_per_token * k * i
+
+    # The share outside the GEMMs needs the layer's own GEMMs alone, on
+    # permuted data of the same routing: bf16 (torch._grouped_mm) and the FP8
+    # backends built on CutlassExpertsFp8. Humming and Marlin run their own.
     a_perm, _, offsets, _, _ = moe_permute(
         hidden, None, routings[0][1], moe.num_experts
     )
-    ends = grouped_mm_ends(offsets)
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
-    # The share outside the GEMMs is only meaningful against the layer's own
-    # GEMMs: bf16 and our FP8 backends. Others are compared with torch's.
-    own_gemms = scheme == QuantScheme.UNQUANTIZED or isinstance(
-        experts, CutlassExpertsFp8
-    )
-    if fp8:
-        a_q, a_s = per_token_quant_fp8(a_perm)
-        act_q, act_s = per_token_quant_fp8(act)
-        w13_q, w13_s = per_channel_quant_fp8(w13)
-        w2_q, w2_s = per_channel_quant_fp8(w2)
+    gemm_us = share = None
+    if isinstance(experts, CutlassExpertsFp8):
+        fp8_experts = experts
+        layout = experts.gemm_layout(offsets)
+        operands = [
+            (*per_token_quant_fp8(x), *per_channel_quant_fp8(w))
+            for x, w in ((a_perm, w13), (act, w2))
+        ]
 
         def gemm_step(it: int) -> None:
-            for x, x_s, w, w_s in (
-                (a_q, a_s.view(-1), w13_q, w13_s),
-                (act_q, act_s.view(-1), w2_q, w2_s),
-            ):
-                if isinstance(experts, CutlassExpertsFp8):
-                    experts.grouped_gemm(x, x_s, w, w_s, offsets, ends, moe.in_dtype)
-                else:
-                    grouped_mm(x, w, ends, x_s, w_s, moe.in_dtype)
-    else:
+            for x, x_s, w, w_s in operands:
+                fp8_experts.grouped_gemm(x, x_s.view(-1), w, w_s, layout, moe.in_dtype)
+
+        gemm_us = timer(gemm_step)
+    elif scheme == QuantScheme.UNQUANTIZED:
+        ends = grouped_mm_ends(offsets)
 
         def gemm_step(it: int) -> None:
             grouped_mm(a_perm, w13, ends)
             grouped_mm(act, w2, ends)
 
-    timer = (
-        (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))
-    )
-    layer_us = timer(layer_step)
-    gemm_us = timer(gemm_step)
-    flops = 6 * tokens * moe.experts_per_token * k * i
-    share = max(0.0, 1 - gemm_us / layer_us) if own_gemms else None
+        gemm_us = timer(gemm_step)
+    if gemm_us is not None:
+        share = max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
     peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
     return Row(label, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
@@ -199,15 +197,14 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        share = (
-            "-"
-            if r.outside_gemm_share is None
-            else f"{100 * r.outside_gemm_share:.0f}%"
+        gemms, share = (
+            ("-", "-")
+            if r.gemm_us is None or r.outside_gemm_share is None
+            else (f"{r.gemm_us:.1f}", f"{100 * r.outside_gemm_share:.0f}%")
         )
         print(
             f"{r.backend:>11} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} "
-            f"{100 * r.peak_fraction:>6.0f}% | "
-            f"{r.gemm_us:>14.1f} {share:>13}"
+            f"{100 * r.peak_fraction:>6.0f}% | {gemms:>14} {share:>13}"
         )
     write_results(args.output_json, name, rows)
 

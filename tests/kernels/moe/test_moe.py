@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from tests.kernels.moe.moe_reference import torch_moe_reference
+from vllm.model_executor.kernels.grouped_gemm_fp8 import grouped_gemm_fp8
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
     QuantScheme,
 )
+from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
@@ -109,6 +111,24 @@ def test_backend_cpu(workspace_init, backend, tokens, topk, ep_size):
         pytest.skip("CPU path")
     torch.manual_seed(tokens * 10 + topk + ep_size)
     check_backend(backend, tokens, topk, ep_size, "cpu")
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_triton_fp8_kernel_in_the_pipeline_cpu(workspace_init, monkeypatch, ep_size):
+    """CPU tensors normally take the GEMM's reference; here the Triton kernel
+    itself (interpreted) runs inside the experts pipeline."""
+    if CUDA:
+        pytest.skip("the GPU tests run the kernel")
+    calls = []
+
+    def kernel(*args):
+        calls.append(args)
+        return grouped_gemm_fp8(*args)
+
+    monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8_reference", kernel)
+    torch.manual_seed(ep_size)
+    check_backend("triton_fp8", 7, 2, ep_size, "cpu")
+    assert len(calls) == 2  # both GEMMs
 
 
 @pytest.mark.gpu

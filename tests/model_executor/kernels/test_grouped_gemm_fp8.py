@@ -3,6 +3,7 @@ import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
+    GroupedGemmConfig,
     grouped_gemm_fp8,
     grouped_gemm_fp8_reference,
 )
@@ -27,27 +28,38 @@ def problem(
 
 
 def run_both(
-    inputs: Problem, dtype: torch.dtype = torch.bfloat16
+    inputs: Problem,
+    dtype: torch.dtype = torch.bfloat16,
+    config: GroupedGemmConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     a, _, w, _, _ = inputs
     shape = (a.shape[0], w.shape[1])
     out = torch.full(shape, POISON, device=a.device, dtype=dtype)
     ref = torch.full(shape, POISON, device=a.device, dtype=dtype)
-    grouped_gemm_fp8(*inputs, out)
+    grouped_gemm_fp8(*inputs, out, config)
     grouped_gemm_fp8_reference(*inputs, ref)
     return out, ref
 
 
 @pytest.mark.parametrize(
     "counts",
-    [[1], [5, 0, 130, 2], [0, 0, 0], [300, 1, 0, 17, 64]],
-    ids=["one-row", "uneven", "empty", "multi-tile"],
+    [[1], [5, 0, 130, 2], [0, 0, 0], [0, 5], [7, 0], [300, 1, 0, 17, 64]],
+    ids=["one-row", "uneven", "empty", "first-empty", "last-empty", "multi-tile"],
 )
-@pytest.mark.parametrize("n,k", [(64, 128), (96, 80)])
-def test_matches_reference(device, counts, n, k):
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (64, 128, None),  # the launcher's tiles
+        (96, 80, None),
+        # Small tiles: several N tiles and K steps, partial last ones.
+        (80, 72, GroupedGemmConfig(16, 32, 32, 4, 1)),
+    ],
+    ids=["default-tiles", "partial-k", "small-tiles"],
+)
+def test_matches_reference(device, counts, n, k, config):
     torch.manual_seed(sum(counts) + n + k)
     inputs = problem(counts, n, k, device)
-    out, ref = run_both(inputs)
+    out, ref = run_both(inputs, config=config)
     # fp32 accumulation in both: the difference is bf16 rounding of the output.
     torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
     # Rows past the last expert's end are never written.
@@ -55,9 +67,9 @@ def test_matches_reference(device, counts, n, k):
 
 
 def test_zero_rows_and_fp16(device):
-    inputs = problem([0, 0], 32, 32, device, spare_rows=0)
-    out, _ = run_both(inputs)
-    assert out.shape == (0, 32)
+    a, a_scale, w, w_scale, offsets = problem([0, 0], 32, 32, device, spare_rows=0)
+    out = torch.empty(0, 32, device=device, dtype=torch.bfloat16)
+    assert grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out) is out
     torch.manual_seed(1)
     out, ref = run_both(problem([3, 9], 48, 64, device), torch.float16)
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
@@ -87,21 +99,26 @@ def test_matches_scaled_grouped_mm_at_model_dims(tokens):
 
 
 @pytest.mark.parametrize(
-    "name,change,message",
+    "change,message",
     [
-        ("a", lambda t: t.update(a=t["a"].float()), "a: expected contiguous"),
-        ("a_scale", lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale:"),
-        ("w", lambda t: t.update(w=t["w"][0]), "w: expected [E, N, K]"),
-        ("w_scale", lambda t: t.update(w_scale=t["w_scale"].T), "w_scale:"),
+        (lambda t: t.update(a=t["a"].float()), "a: expected contiguous"),
+        (lambda t: t.update(a=t["a"][None]), "a: expected [R, K]"),
+        (lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale: expected"),
+        (lambda t: t.update(w=t["w"][0]), "w: expected [E, N, K]"),
         (
-            "offsets",
-            lambda t: t.update(offsets=t["offsets"].int()),
-            "expert_first_token_offset:",
+            lambda t: t.update(w_scale=t["w_scale"].T.contiguous().T),
+            "w_scale: expected contiguous .* got non-contiguous",
         ),
-        ("out", lambda t: t.update(out=t["out"].float()), "out: expected bf16"),
+        (
+            lambda t: t.update(offsets=t["offsets"].int()),
+            "expert_first_token_offset: expected",
+        ),
+        (lambda t: t.update(out=t["out"].float()), "out: expected bfloat16"),
+        (lambda t: t.update(out=t["out"][:-1]), "out: expected contiguous"),
     ],
+    ids=["a-dtype", "a-rank", "a_scale", "w", "w_scale", "offsets", "out", "out-rows"],
 )
-def test_bad_input_names_the_argument(device, name, change, message):
+def test_bad_input_names_the_argument(device, change, message):
     a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 32, device)
     tensors = {
         "a": a,

@@ -4,10 +4,10 @@
 expert ``e`` (``offsets[e]:offsets[e+1]``, the permute's
 ``expert_first_token_offset``). One program computes one BLOCK_M x BLOCK_N
 tile of one expert. The grid is a static upper bound on the number of row
-tiles (``cdiv(R, BLOCK_M) + E``), so it never depends on the routing and the
-launch can be captured in a CUDA graph; each program finds its expert by a
-prefix sum of the per-expert tile counts and surplus programs exit. Rows at
-or past ``offsets[E]`` are not written.
+tiles (``cdiv(R, BLOCK_M) + min(E, R)``), so it never depends on the routing
+and the launch can be captured in a CUDA graph; each program finds its expert
+by a prefix sum of the per-expert tile counts and surplus programs exit. Rows
+at or past ``offsets[E]`` are not written.
 """
 
 from __future__ import annotations
@@ -96,30 +96,33 @@ def _check(
     out: torch.Tensor,
 ) -> None:
     if w.dim() != 3:
-        raise ValueError(f"w: expected [E, N, K], got shape {tuple(w.shape)}")
+        raise ValueError(f"w: expected [E, N, K], got shape {list(w.shape)}")
+    if a.dim() != 2:
+        raise ValueError(f"a: expected [R, K], got shape {list(a.shape)}")
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"out: expected bfloat16 or float16, got {out.dtype}")
     num_experts, n, k = w.shape
-    rows = a.shape[0] if a.dim() == 2 else -1
+    rows = a.shape[0]
     expected = {
-        "a": (a, (rows, k), FP8_DTYPE),
-        "a_scale": (a_scale, (rows,), torch.float32),
-        "w": (w, (num_experts, n, k), FP8_DTYPE),
-        "w_scale": (w_scale, (num_experts, n), torch.float32),
-        "expert_first_token_offset": (offsets, (num_experts + 1,), torch.int64),
-        "out": (out, (rows, n), out.dtype),
+        "a": (a, [rows, k], FP8_DTYPE),
+        "a_scale": (a_scale, [rows], torch.float32),
+        "w": (w, [num_experts, n, k], FP8_DTYPE),
+        "w_scale": (w_scale, [num_experts, n], torch.float32),
+        "expert_first_token_offset": (offsets, [num_experts + 1], torch.int64),
+        "out": (out, [rows, n], out.dtype),
     }
     for name, (tensor, shape, dtype) in expected.items():
         if (
-            tuple(tensor.shape) != shape
+            list(tensor.shape) != shape
             or tensor.dtype != dtype
             or tensor.device != w.device
             or not tensor.is_contiguous()
         ):
+            layout = "contiguous" if tensor.is_contiguous() else "non-contiguous"
             raise ValueError(
                 f"{name}: expected contiguous {shape} {dtype} on {w.device}, got "
-                f"{'x'.join(map(str, tensor.shape))} {tensor.dtype} on {tensor.device}"
+                f"{layout} {list(tensor.shape)} {tensor.dtype} on {tensor.device}"
             )
-    if out.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"out: expected bf16 or fp16, got {out.dtype}")
 
 
 @dataclass(frozen=True)
@@ -152,13 +155,17 @@ def grouped_gemm_fp8(
     """Writes the rows below ``expert_first_token_offset[-1]`` of ``out``
     [R, N] from ``a`` [R, K] fp8 with per-row ``a_scale`` [R] and ``w``
     [E, N, K] fp8 with per-channel ``w_scale`` [E, N]; returns ``out``.
-    No host sync and no allocation: CUDA-graph capturable."""
+
+    The offsets (int64 [E + 1], the permute's) must ascend from 0 to at most
+    R: they live on the device and are not checked, so that the call needs no
+    host sync and no allocation (CUDA-graph capturable)."""
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)
     if a.shape[0] == 0:
         return out
     num_experts, n, k = w.shape
     cfg = config or default_config(a.shape[0], num_experts)
-    max_tiles = triton.cdiv(a.shape[0], cfg.block_m) + num_experts
+    # At most min(E, R) experts have rows, each with one partial tile.
+    max_tiles = triton.cdiv(a.shape[0], cfg.block_m) + min(num_experts, a.shape[0])
     grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
     _grouped_gemm_fp8_kernel[grid](
         a,

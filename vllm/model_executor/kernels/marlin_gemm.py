@@ -366,11 +366,16 @@ class MarlinConfig:
     group_n: int = 8
 
 
-@functools.cache  # host time per GEMM call matters; SM counts never change
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _CPU_SMS
+    if device.type != "cuda":
+        return _CPU_SMS
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_sms(index)
+
+
+@functools.cache  # host time per GEMM call matters; SM counts never change
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def marlin_workspace_numel(device: torch.device | str) -> int:

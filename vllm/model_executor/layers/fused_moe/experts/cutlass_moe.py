@@ -77,18 +77,26 @@ class CutlassExpertsFp8(FusedMoEExperts):
             self.w2.float() * self.w2_scale[..., None],
         )
 
+    def gemm_layout(self, expert_first_token_offset: torch.Tensor) -> torch.Tensor:
+        """What :meth:`grouped_gemm` takes as the row grouping, computed once
+        per layer call for both GEMMs: torch's int32 row ends."""
+        return grouped_mm_ends(expert_first_token_offset)
+
     def grouped_gemm(
         self,
         a: torch.Tensor,
         a_scale: torch.Tensor,
         w: torch.Tensor,
         w_scale: torch.Tensor,
-        expert_first_token_offset: torch.Tensor,
-        expert_ends: torch.Tensor,
+        layout: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """[R, N] in ``out_dtype``; rows past the last expert unspecified."""
-        return grouped_mm(a, w, expert_ends, a_scale, w_scale, out_dtype)
+        """[R, N] in ``out_dtype``; rows past the last expert unspecified.
+
+        The result is allocated by the GEMM (``_scaled_grouped_mm`` has no
+        ``out=``), so the pipeline keeps both GEMM outputs out of the
+        workspaces for every FP8 backend."""
+        return grouped_mm(a, w, layout, a_scale, w_scale, out_dtype)
 
     def workspace_shapes(
         self,
@@ -141,20 +149,19 @@ class CutlassExpertsFp8(FusedMoEExperts):
             scratch=scratch,
             permuted_a1q_scale=a_perm_scale,
         )
-        ends = grouped_mm_ends(offsets)
+        layout = self.gemm_layout(offsets)
         gate_up = self.grouped_gemm(
             a_perm,
             a_perm_scale.view(-1),
             self.w13,
             self.w13_scale,
-            offsets,
-            ends,
+            layout,
             output.dtype,
         )
         act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
         act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
         quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
         down = self.grouped_gemm(
-            act_q, act_scale, self.w2, self.w2_scale, offsets, ends, output.dtype
+            act_q, act_scale, self.w2, self.w2_scale, layout, output.dtype
         )
         moe_unpermute(output, down, topk_weights, inv, offsets)

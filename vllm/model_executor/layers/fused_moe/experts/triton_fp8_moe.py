@@ -19,16 +19,18 @@ from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpe
 
 
 class TritonExpertsFp8(CutlassExpertsFp8):
+    def gemm_layout(self, expert_first_token_offset: torch.Tensor) -> torch.Tensor:
+        return expert_first_token_offset  # the kernel reads the offsets as they are
+
     def grouped_gemm(
         self,
         a: torch.Tensor,
         a_scale: torch.Tensor,
         w: torch.Tensor,
         w_scale: torch.Tensor,
-        expert_first_token_offset: torch.Tensor,
-        expert_ends: torch.Tensor,
+        layout: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
         out = torch.empty(a.shape[0], w.shape[1], device=a.device, dtype=out_dtype)
         gemm = grouped_gemm_fp8 if a.is_cuda else grouped_gemm_fp8_reference
-        return gemm(a, a_scale, w, w_scale, expert_first_token_offset, out)
+        return gemm(a, a_scale, w, w_scale, layout, out)

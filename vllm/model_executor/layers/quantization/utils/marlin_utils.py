@@ -91,6 +91,8 @@ def marlin_dequantize(
 # call and the schema does not mark it mutated. Marked (a!), functionalization
 # would clone or copy back an explicit buffer on every call, and inductor
 # (torch 2.11-2.13) cannot lower the op when that only mutable argument is None.
+# The compiler cannot see the transient writes, so one buffer must never serve
+# two concurrent calls: resolved ones are per stream, given ones the caller's.
 _lib = torch.library.Library("vllm", "FRAGMENT")
 _lib.define(
     "marlin_gemm(Tensor a, Tensor b_q_weight, Tensor b_scales, "
