@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.checks import check_contiguous
+
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -103,26 +105,15 @@ def _check(
         raise ValueError(f"out: expected bfloat16 or float16, got {out.dtype}")
     num_experts, n, k = w.shape
     rows = a.shape[0]
-    expected = {
-        "a": (a, [rows, k], FP8_DTYPE),
-        "a_scale": (a_scale, [rows], torch.float32),
-        "w": (w, [num_experts, n, k], FP8_DTYPE),
-        "w_scale": (w_scale, [num_experts, n], torch.float32),
-        "expert_first_token_offset": (offsets, [num_experts + 1], torch.int64),
-        "out": (out, [rows, n], out.dtype),
-    }
-    for name, (tensor, shape, dtype) in expected.items():
-        if (
-            list(tensor.shape) != shape
-            or tensor.dtype != dtype
-            or tensor.device != w.device
-            or not tensor.is_contiguous()
-        ):
-            layout = "contiguous" if tensor.is_contiguous() else "non-contiguous"
-            raise ValueError(
-                f"{name}: expected contiguous {shape} {dtype} on {w.device}, got "
-                f"{layout} {list(tensor.shape)} {tensor.dtype} on {tensor.device}"
-            )
+    for name, tensor, dtype, shape in (
+        ("a", a, FP8_DTYPE, [rows, k]),
+        ("a_scale", a_scale, torch.float32, [rows]),
+        ("w", w, FP8_DTYPE, [num_experts, n, k]),
+        ("w_scale", w_scale, torch.float32, [num_experts, n]),
+        ("expert_first_token_offset", offsets, torch.int64, [num_experts + 1]),
+        ("out", out, out.dtype, [rows, n]),
+    ):
+        check_contiguous(name, tensor, dtype, shape, w.device)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.checks import check_contiguous
+
 PACK = 8  # nibbles per int32 word
 TILE_K = 128  # K step of the kernel; K and group sizes are multiples of it
 MAX_TILES_PER_SM = 4  # lock counters per SM in the workspace
@@ -484,25 +486,6 @@ def _check_problem(a: torch.Tensor, group_size: int, size_n: int, size_k: int) -
     return 1 if group_size == -1 else size_k // group_size
 
 
-def _check_contiguous(
-    name: str,
-    t: torch.Tensor,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    device: torch.device,
-) -> None:
-    if (
-        t.dtype != dtype
-        or t.shape != shape
-        or not t.is_contiguous()
-        or t.device != device
-    ):
-        raise ValueError(
-            f"{name}: expected contiguous {dtype} {list(shape)} on {device}, got "
-            f"{t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-
-
 def _check_workspace(workspace: torch.Tensor, device: torch.device) -> None:
     need = marlin_workspace_numel(device)
     if (
@@ -562,10 +545,10 @@ def check_marlin_args(
 ) -> None:
     """The dense GEMM's argument checks (also run by the CPU reference path)."""
     groups = _check_problem(a, group_size, size_n, size_k)
-    _check_contiguous(
+    check_contiguous(
         "b_packed", b_packed, torch.int32, (size_n, size_k // PACK), a.device
     )
-    _check_contiguous("scales", scales, a.dtype, (groups, size_n), a.device)
+    check_contiguous("scales", scales, a.dtype, (groups, size_n), a.device)
     _check_workspace(workspace, a.device)
 
 
@@ -666,10 +649,10 @@ def marlin_gemm_grouped(
             f"{MAX_GROUPED_EXPERTS}, got {tuple(b_packed.shape)}"
         )
     experts = b_packed.shape[0]
-    _check_contiguous(
+    check_contiguous(
         "b_packed", b_packed, torch.int32, (experts, size_n, size_k // PACK), a.device
     )
-    _check_contiguous("scales", scales, a.dtype, (experts, groups, size_n), a.device)
+    check_contiguous("scales", scales, a.dtype, (experts, groups, size_n), a.device)
     offsets = expert_first_token_offset
     if (
         offsets.dtype != torch.int64
