@@ -1,9 +1,13 @@
-"""FP8 grouped GEMM: the Triton kernel against ``torch._scaled_grouped_mm``.
+"""FP8 grouped GEMMs: the Triton kernels against ``torch._scaled_grouped_mm``.
 
 On the two expert GEMMs of a MoE layer (default: qwen3-30b-a3b, 128 experts,
-top-8, hidden 2048, intermediate 768) with uniform random routing, both timed
-under CUDA-graph replay on the same fp8 inputs; TFLOP/s and the fraction of
-the H200's dense fp8 peak. ``--sweep`` also times each Triton tile config.
+top-8, hidden 2048, intermediate 768) with uniform random routing, as the
+triton_fp8 layer runs them: GEMM1 gathers its rows and applies the activation
+and its fp8 quantization in the epilogue, GEMM2 takes per-128-column
+activation scales. ``_scaled_grouped_mm`` runs the same products on permuted
+rows with per-row scales. Timed under CUDA-graph replay; TFLOP/s (of the
+GEMM alone) and the fraction of the H200's dense fp8 peak. ``--sweep`` also
+times each Triton tile config.
 
     python -m benchmarks.kernels.benchmark_grouped_gemm_fp8 --tokens 1024 8192
 """
@@ -23,23 +27,39 @@ from benchmarks.kernels.bench_utils import (
     write_results,
 )
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    ACT_GROUP,
     FP8_DTYPE,
     GroupedGemmConfig,
     default_config,
+    default_gated_config,
     grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
 )
 
-SWEEP = [
-    GroupedGemmConfig(*c)
-    for c in [
-        (128, 128, 128, 8, 4),
-        (128, 256, 128, 8, 3),
-        (128, 128, 64, 4, 5),
-        (64, 128, 128, 4, 4),
-        (128, 64, 128, 4, 4),
-        (256, 128, 128, 8, 3),
-    ]
-]
+SWEEP = {
+    "gate_up": [
+        GroupedGemmConfig(*c)
+        for c in [
+            (64, 128, 128, 4, 4),
+            (128, 128, 128, 8, 3),
+            (128, 128, 128, 8, 4),
+            (128, 128, 64, 8, 4),
+            (64, 128, 128, 8, 4),
+            (128, 128, 128, 4, 3),
+        ]
+    ],
+    "down": [
+        GroupedGemmConfig(*c)
+        for c in [
+            (128, 128, 128, 8, 4),
+            (128, 256, 128, 8, 3),
+            (64, 128, 128, 4, 4),
+            (128, 128, 128, 4, 4),
+            (64, 256, 128, 8, 3),
+            (128, 64, 128, 4, 4),
+        ]
+    ],
+}
 
 
 @dataclass
@@ -54,50 +74,89 @@ class Row:
     speedup: float
 
 
-def bench(
-    gemm: str, tokens: int, n: int, k: int, args: argparse.Namespace
-) -> list[Row]:
-    rows = tokens * args.topk
-    ids = torch.randint(0, args.num_experts, (rows,), device="cuda")
-    counts = torch.bincount(ids, minlength=args.num_experts)
-    offsets = torch.zeros(args.num_experts + 1, dtype=torch.int64, device="cuda")
-    offsets[1:] = counts.cumsum(0)
+def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
+    """Both expert GEMMs of one routing, as the triton_fp8 layer runs them,
+    against ``_scaled_grouped_mm`` on the same operands (GEMM1 on permuted
+    rows, without the activation)."""
+    experts, topk = args.num_experts, args.topk
+    hidden, inter = args.hidden_size, args.intermediate_size
+    rows = tokens * topk
+    ids = torch.randint(0, experts, (rows,), device="cuda")
+    src_routes = torch.sort(ids, stable=True).indices.to(torch.int32)
+    offsets = torch.zeros(experts + 1, dtype=torch.int64, device="cuda")
+    offsets[1:] = torch.bincount(ids, minlength=experts).cumsum(0)
     ends = offsets[1:].to(torch.int32)
-    a = torch.randn(rows, k, device="cuda").to(FP8_DTYPE)
-    a_scale = torch.rand(rows, device="cuda")
-    w = torch.randn(args.num_experts, n, k, device="cuda").to(FP8_DTYPE)
-    w_scale = torch.rand(args.num_experts, n, device="cuda")
-    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(tokens, hidden, device="cuda").to(FP8_DTYPE)
+    a_scale = torch.rand(tokens, device="cuda")
+    a_perm = a[src_routes.long() // topk]
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda").to(FP8_DTYPE)
+    w13_scale = torch.rand(experts, 2 * inter, device="cuda")
+    act = torch.randn(rows, inter, device="cuda").to(FP8_DTYPE)
+    act_scale = torch.rand(rows, inter // ACT_GROUP, device="cuda")
+    w2 = torch.randn(experts, hidden, inter, device="cuda").to(FP8_DTYPE)
+    w2_scale = torch.rand(experts, hidden, device="cuda")
+    down = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
     iters = 20 if tokens < 1024 else 5
 
-    def torch_step(_: int) -> None:
-        torch._scaled_grouped_mm(
-            a, w.transpose(1, 2), a_scale, w_scale, offs=ends, out_dtype=torch.bfloat16
+    def gate_up(config: GroupedGemmConfig | None) -> None:
+        grouped_gemm_fp8_gated(
+            a,
+            a_scale,
+            src_routes,
+            topk,
+            w13,
+            w13_scale,
+            offsets,
+            "silu",
+            act,
+            act_scale,
+            config,
         )
 
-    torch_us = time_graph_us(torch_step, iters)
-    flops = 2 * rows * n * k
+    def down_proj(config: GroupedGemmConfig | None) -> None:
+        grouped_gemm_fp8(act, act_scale, w2, w2_scale, offsets, down, config)
+
+    gemms = {
+        "gate_up": (
+            gate_up,
+            default_gated_config(rows, experts),
+            (a_perm, w13, a_scale[src_routes.long() // topk], w13_scale),
+        ),
+        "down": (
+            down_proj,
+            default_config(rows, experts),
+            (act, w2, act_scale[:, 0].contiguous(), w2_scale),
+        ),
+    }
     results = []
-    configs = SWEEP if args.sweep else [default_config(rows, args.num_experts)]
-    for config in configs:
+    for gemm, (run, default, (x, w, x_s, w_s)) in gemms.items():
 
-        def triton_step(_: int, config: GroupedGemmConfig = config) -> None:
-            grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out, config)
-
-        triton_us = time_graph_us(triton_step, iters)
-        tflops = flops / (triton_us * 1e-6) / 1e12
-        results.append(
-            Row(
-                gemm,
-                tokens,
-                "x".join(map(str, astuple(config))),
-                torch_us,
-                triton_us,
-                tflops,
-                tflops / H200_PEAK_TFLOPS[FP8_DTYPE],
-                torch_us / triton_us,
+        def torch_step(_: int, x=x, w=w, x_s=x_s, w_s=w_s) -> None:
+            torch._scaled_grouped_mm(
+                x, w.transpose(1, 2), x_s, w_s, offs=ends, out_dtype=torch.bfloat16
             )
-        )
+
+        torch_us = time_graph_us(torch_step, iters)
+        flops = 2 * rows * w.shape[1] * w.shape[2]
+        for config in SWEEP[gemm] if args.sweep else [default]:
+
+            def triton_step(_: int, run=run, config=config) -> None:
+                run(config)
+
+            triton_us = time_graph_us(triton_step, iters)
+            tflops = flops / (triton_us * 1e-6) / 1e12
+            results.append(
+                Row(
+                    gemm,
+                    tokens,
+                    "x".join(map(str, astuple(config))),
+                    torch_us,
+                    triton_us,
+                    tflops,
+                    tflops / H200_PEAK_TFLOPS[FP8_DTYPE],
+                    torch_us / triton_us,
+                )
+            )
     return results
 
 
@@ -120,11 +179,9 @@ def main() -> None:
         return
     torch.manual_seed(0)
     hidden, inter = args.hidden_size, args.intermediate_size
-    gemms = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     rows: list[Row] = []
     for tokens in tqdm(args.tokens, desc="tokens"):
-        for gemm, (n, k) in gemms.items():
-            rows.extend(bench(gemm, tokens, n, k, args))
+        rows.extend(bench(tokens, args))
 
     name = torch.cuda.get_device_name()
     print(

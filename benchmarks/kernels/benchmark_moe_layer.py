@@ -1,13 +1,18 @@
 """Whole MoE layer per experts backend, against its grouped GEMMs alone.
 
-For each backend and token count: the modular kernel's forward (permute,
-GEMM1, activation, GEMM2, unpermute; routing given) timed under CUDA-graph
-replay, its TFLOP/s, and the share of time outside the GEMMs, taken as
-1 - (the same two grouped GEMMs alone on the same permuted data) / (layer).
-The GEMMs alone are ``torch._grouped_mm`` (bf16) or the FP8 backend's own
-(``_scaled_grouped_mm`` for cutlass, the Triton kernel for triton_fp8); the
-share is shown only for those. Humming and Marlin layers are listed beside
-them without a share (their GEMMs are their own kernels).
+For each backend and token count: the modular kernel's forward (routing
+given) timed under CUDA-graph replay, its TFLOP/s, and two references on data
+of the same routing:
+
+- the layer's own two GEMMs alone, and the share of the layer's time outside
+  them (1 - GEMMs / layer): ``torch._grouped_mm`` for bf16,
+  ``_scaled_grouped_mm`` for cutlass, the Triton kernels for triton_fp8
+  (whose GEMM1 has the gather and the activation fused in, so outside them
+  are the input quantization, the sort and the unpermute);
+- torch's grouped GEMMs alone (``_grouped_mm`` / ``_scaled_grouped_mm``), the
+  alternative a user would pick, for every bf16 and FP8 per-token layer.
+
+Humming and Marlin layers run their own GEMMs and have no share.
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
 """
@@ -15,6 +20,7 @@ them without a share (their GEMMs are their own kernels).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +33,12 @@ from benchmarks.kernels.bench_utils import (
     time_graph_us,
     write_results,
 )
+from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    ACT_GROUP,
+    FP8_DTYPE,
+    grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -34,8 +46,12 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
+    GroupedMMExperts,
     grouped_mm,
     grouped_mm_ends,
+)
+from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
+    TritonExpertsFp8,
 )
 from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -68,8 +84,9 @@ class Row:
     layer_us: float
     tflops: float
     peak_fraction: float  # of the H200 dense peak for the GEMMs' operand dtype
-    gemm_us: float | None
-    outside_gemm_share: float | None
+    gemm_us: float | None  # the layer's own GEMMs alone
+    outside_gemm_share: float | None  # 1 - gemm_us / layer_us
+    torch_gemm_us: float | None  # torch's grouped GEMMs alone, same data
 
 
 def humming_available() -> bool:
@@ -110,40 +127,75 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
     layer_us = timer(layer_step)
     flops = 6 * tokens * moe.experts_per_token * k * i
 
-    # The share outside the GEMMs needs the layer's own GEMMs alone, on
-    # permuted data of the same routing: bf16 (torch._grouped_mm) and the FP8
-    # backends built on CutlassExpertsFp8. Humming and Marlin run their own.
-    a_perm, _, offsets, _, _ = moe_permute(
+    # The GEMMs alone, on data of the same routing: the layer's own (for the
+    # share outside them) and torch's (the alternative a user would pick).
+    a_perm, _, offsets, _, src_routes = moe_permute(
         hidden, None, routings[0][1], moe.num_experts
     )
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
-    gemm_us = share = None
-    if isinstance(experts, CutlassExpertsFp8):
-        fp8_experts = experts
-        layout = experts.gemm_layout(offsets)
+    ends = grouped_mm_ends(offsets)
+    gemm_us = torch_gemm_us = None
+    if fp8:
         operands = [
             (*per_token_quant_fp8(x), *per_channel_quant_fp8(w))
             for x, w in ((a_perm, w13), (act, w2))
         ]
 
-        def gemm_step(it: int) -> None:
+        def torch_gemm_step(it: int) -> None:
             for x, x_s, w, w_s in operands:
-                fp8_experts.grouped_gemm(x, x_s.view(-1), w, w_s, layout, moe.in_dtype)
+                grouped_mm(x, w, ends, x_s.view(-1), w_s, moe.in_dtype)
 
-        gemm_us = timer(gemm_step)
+        torch_gemm_us = timer(torch_gemm_step)
     elif scheme == QuantScheme.UNQUANTIZED:
-        ends = grouped_mm_ends(offsets)
 
-        def gemm_step(it: int) -> None:
+        def torch_gemm_step(it: int) -> None:
             grouped_mm(a_perm, w13, ends)
             grouped_mm(act, w2, ends)
 
-        gemm_us = timer(gemm_step)
-    if gemm_us is not None:
-        share = max(0.0, 1 - gemm_us / layer_us)
+        torch_gemm_us = timer(torch_gemm_step)
+    if isinstance(experts, CutlassExpertsFp8 | GroupedMMExperts):
+        gemm_us = torch_gemm_us
+    elif isinstance(experts, TritonExpertsFp8) and cuda:  # kernels only
+        gemm_us = timer(triton_fp8_gemms(experts, hidden, src_routes, offsets))
+    share = None if gemm_us is None else max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
     peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
-    return Row(label, tokens, layer_us, tflops, tflops / peak, gemm_us, share)
+    return Row(
+        label, tokens, layer_us, tflops, tflops / peak, gemm_us, share, torch_gemm_us
+    )
+
+
+def triton_fp8_gemms(
+    experts: TritonExpertsFp8,
+    hidden: torch.Tensor,
+    src_routes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> Callable[[int], None]:
+    """The layer's two GEMMs: gated GEMM1 (gather, activation, fp8 groups)
+    and GEMM2 on its output."""
+    moe = experts.moe
+    rows, inter = src_routes.shape[0], moe.intermediate_size
+    a_q, a_scale = per_token_quant_fp8(hidden)
+    act_q = torch.empty(rows, inter, device=hidden.device, dtype=FP8_DTYPE)
+    act_scale = torch.empty(rows, inter // ACT_GROUP, device=hidden.device)
+    down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=hidden.dtype)
+
+    def step(it: int) -> None:
+        grouped_gemm_fp8_gated(
+            a_q,
+            a_scale.view(-1),
+            src_routes,
+            moe.experts_per_token,
+            experts.w13,
+            experts.w13_scale,
+            offsets,
+            moe.activation,
+            act_q,
+            act_scale,
+        )
+        grouped_gemm_fp8(act_q, act_scale, experts.w2, experts.w2_scale, offsets, down)
+
+    return step
 
 
 def main() -> None:
@@ -192,7 +244,7 @@ def main() -> None:
     head = (
         f"{'backend':>11} {'tokens':>6} | {'layer us':>9} {'TFLOP/s':>8} "
         f"{'of peak':>7} | "
-        f"{'GEMMs alone us':>14} {'outside GEMMs':>13}"
+        f"{'own GEMMs us':>12} {'outside them':>12} | {'torch GEMMs us':>14}"
     )
     print(head)
     print("-" * len(head))
@@ -202,9 +254,11 @@ def main() -> None:
             if r.gemm_us is None or r.outside_gemm_share is None
             else (f"{r.gemm_us:.1f}", f"{100 * r.outside_gemm_share:.0f}%")
         )
+        torch_gemms = "-" if r.torch_gemm_us is None else f"{r.torch_gemm_us:.1f}"
         print(
             f"{r.backend:>11} {r.tokens:>6} | {r.layer_us:>9.1f} {r.tflops:>8.1f} "
-            f"{100 * r.peak_fraction:>6.0f}% | {gemms:>14} {share:>13}"
+            f"{100 * r.peak_fraction:>6.0f}% | {gemms:>12} {share:>12} | "
+            f"{torch_gemms:>14}"
         )
     write_results(args.output_json, name, rows)
 

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from tests.kernels.moe.moe_reference import torch_moe_reference
-from vllm.model_executor.kernels.grouped_gemm_fp8 import grouped_gemm_fp8
+from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -23,6 +26,7 @@ from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpe
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import TritonExpertsFp8
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE, make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -53,7 +57,7 @@ def moe_config(
     dims: dict[str, Any] = (
         {"num_experts": 32, "hidden_size": 2048, "intermediate_size": 768}
         if torch.device(device).type == "cuda"
-        else {"num_experts": 16, "hidden_size": 128, "intermediate_size": 64}
+        else {"num_experts": 16, "hidden_size": 128, "intermediate_size": 128}
     )
     dims.update(kw)
     return FusedMoEConfig(
@@ -121,14 +125,21 @@ def test_triton_fp8_kernel_in_the_pipeline_cpu(workspace_init, monkeypatch, ep_s
         pytest.skip("the GPU tests run the kernel")
     calls = []
 
-    def kernel(*args):
-        calls.append(args)
-        return grouped_gemm_fp8(*args)
+    def interpreted(kernel):
+        def run(*args):
+            calls.append(kernel)
+            return kernel(*args)
 
-    monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8_reference", kernel)
+        return run
+
+    for name, kernel in (
+        ("grouped_gemm_fp8_gated_reference", grouped_gemm_fp8_gated),
+        ("grouped_gemm_fp8_reference", grouped_gemm_fp8),
+    ):
+        monkeypatch.setattr(triton_fp8_moe, name, interpreted(kernel))
     torch.manual_seed(ep_size)
     check_backend("triton_fp8", 7, 2, ep_size, "cpu")
-    assert len(calls) == 2  # both GEMMs
+    assert calls == [grouped_gemm_fp8_gated, grouped_gemm_fp8]
 
 
 @pytest.mark.gpu
@@ -405,6 +416,10 @@ def test_bad_configs(device):
     w13, w2 = random_weights(fp8, device)
     with pytest.raises(ValueError, match="hidden_size"):
         CutlassExpertsFp8.from_unquantized(fp8, w13, w2)
+    fp8 = moe_config(device, scheme=QuantScheme.FP8_PER_TOKEN, intermediate_size=80)
+    w13, w2 = random_weights(fp8, device)
+    with pytest.raises(ValueError, match=r"intermediate_size: triton_fp8 .* 128"):
+        TritonExpertsFp8.from_unquantized(fp8, w13, w2)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(moe, prefix="bad.backend", backend="triton", device=device)
 

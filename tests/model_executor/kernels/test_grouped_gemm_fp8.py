@@ -1,10 +1,15 @@
+from typing import Any
+
 import pytest
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    ACT_GROUP,
     FP8_DTYPE,
     GroupedGemmConfig,
     grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
+    grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
 )
 
@@ -75,6 +80,157 @@ def test_zero_rows_and_fp16(device):
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("k", [128, 200])
+def test_group_scaled_a_matches_reference(device, k):
+    """a_scale per row and 128 columns (the gated GEMM's output), applied per
+    K step; K=200 ends in a partial group."""
+    torch.manual_seed(k)
+    a, _, w, w_scale, offsets = problem([9, 0, 40], 48, k, device)
+    groups = -(-k // ACT_GROUP)
+    a_scale = torch.rand(a.shape[0], groups, device=device) + 0.1
+    out, ref = run_both(
+        (a, a_scale, w, w_scale, offsets), config=GroupedGemmConfig(16, 32, 128, 4, 1)
+    )
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    assert bool((out[49:] == POISON).all())
+    # Each group's scale matters: scaling one group changes the result.
+    a_scale[:, -1] *= 2
+    changed = torch.full_like(out, POISON)
+    grouped_gemm_fp8(
+        a, a_scale, w, w_scale, offsets, changed, GroupedGemmConfig(16, 32, 128, 4, 1)
+    )
+    assert not torch.allclose(changed[:49].float(), out[:49].float())
+
+
+GatedProblem = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    int,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]
+
+
+def gated_problem(
+    tokens: int, topk: int, num_experts: int, inter: int, k: int, device, invalid=0
+) -> GatedProblem:
+    """fp8 tokens, a routing sorted by expert (``invalid`` routes last, as
+    non-local ones), and w13 [E, 2I, K] with per-channel scales."""
+    a = (torch.randn(tokens, k, device=device) * 2).to(FP8_DTYPE)
+    a_scale = torch.rand(tokens, device=device) + 0.1
+    ids = torch.randint(0, num_experts, (tokens * topk,), device=device)
+    ids[torch.randperm(ids.numel(), device=device)[:invalid]] = num_experts
+    src_routes = torch.sort(ids, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    offsets[1:] = counts.cumsum(0)
+    w13 = (torch.randn(num_experts, 2 * inter, k, device=device) * 2).to(FP8_DTYPE)
+    w13_scale = torch.rand(num_experts, 2 * inter, device=device) / k + 1e-3
+    return a, a_scale, src_routes, topk, w13, w13_scale, offsets
+
+
+def run_gated(inputs: GatedProblem, activation: str, config=None):
+    a, _, src_routes, _, w13, _, _ = inputs
+    rows, inter = src_routes.shape[0], w13.shape[1] // 2
+    results = [
+        (
+            torch.full((rows, inter), POISON, device=a.device).to(FP8_DTYPE),
+            torch.full((rows, inter // ACT_GROUP), POISON, device=a.device),
+        )
+        for _ in range(2)
+    ]
+    grouped_gemm_fp8_gated(*inputs, activation, *results[0], config)
+    grouped_gemm_fp8_gated_reference(*inputs, activation, *results[1])
+    return results
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+@pytest.mark.parametrize(
+    "tokens,topk,invalid", [(1, 1, 0), (13, 2, 0), (40, 3, 7)], ids=str
+)
+def test_gated_matches_reference(device, activation, tokens, topk, invalid):
+    """Small tiles: several K steps (K=72 ends in a partial one) and two
+    activation groups; routes past the offsets' end are never written."""
+    torch.manual_seed(tokens + topk)
+    inputs = gated_problem(tokens, topk, 4, 2 * ACT_GROUP, 72, device, invalid)
+    (out, scale), (ref, ref_scale) = run_gated(
+        inputs, activation, GroupedGemmConfig(16, ACT_GROUP, 32, 4, 1)
+    )
+    valid = int(inputs[-1][-1])
+    assert valid == tokens * topk - invalid
+    torch.testing.assert_close(scale[:valid], ref_scale[:valid], rtol=1e-4, atol=0)
+    # An fp8 value may be one step off where the fp32 sums round apart: one
+    # e4m3 step is 1/8 of the value for normals, 2^-9 of the scale below.
+    assert (out[:valid].float() != ref[:valid].float()).float().mean() < 0.05
+    if device.type == "cuda":
+        # Triton's interpreter mis-rounds fp8 casts just below a power of two
+        # (7.9 -> 4), so the bound per element only holds on the GPU.
+        group_scale = ref_scale[:valid].repeat_interleave(ACT_GROUP, 1)
+        got = out[:valid].float() * group_scale
+        want = ref[:valid].float() * group_scale
+        step = torch.maximum(want.abs() / 8, group_scale * 2**-9)
+        assert bool(((got - want).abs() <= step * 1.01).all())
+    assert bool((out[valid:].float() == POISON).all())
+    assert bool((scale[valid:] == POISON).all())
+
+
+def test_gated_zero_rows(device):
+    inputs = gated_problem(0, 2, 3, ACT_GROUP, 32, device)
+    out = torch.empty(0, ACT_GROUP, device=device, dtype=FP8_DTYPE)
+    scale = torch.empty(0, 1, device=device)
+    grouped_gemm_fp8_gated(*inputs, "silu", out, scale)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda t: t.update(w13=t["w13"][:, :-16]), "w13: expected .* multiple of 128"),
+        (lambda t: t.update(src_routes=t["src_routes"].long()), "src_routes: expected"),
+        (lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale: expected"),
+        (lambda t: t.update(out=t["out"].bfloat16()), "out: expected"),
+        (lambda t: t.update(out_scale=t["out_scale"][:, :1]), "out_scale: expected"),
+        (lambda t: t.update(activation="gelu"), "activation: expected"),
+        (lambda t: t.update(topk=0), "topk: expected"),
+        (
+            lambda t: t.update(config=GroupedGemmConfig(16, 64, 32, 4, 1)),
+            "config: expected block_n == 128",
+        ),
+    ],
+    ids=["w13", "src_routes", "a_scale", "out", "out_scale", "act", "topk", "config"],
+)
+def test_gated_bad_input_names_the_argument(device, change, message):
+    a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
+        3, 2, 2, 2 * ACT_GROUP, 32, device
+    )
+    t: dict[str, Any] = {
+        "a_scale": a_scale,
+        "src_routes": src_routes,
+        "topk": topk,
+        "w13": w13,
+        "activation": "silu",
+        "out": torch.empty(6, 2 * ACT_GROUP, device=device, dtype=FP8_DTYPE),
+        "out_scale": torch.empty(6, 2, device=device),
+        "config": None,
+    }
+    change(t)
+    with pytest.raises(ValueError, match=message):
+        grouped_gemm_fp8_gated(
+            a,
+            t["a_scale"],
+            t["src_routes"],
+            t["topk"],
+            t["w13"],
+            w13_scale,
+            offsets,
+            t["activation"],
+            t["out"],
+            t["out_scale"],
+            t["config"],
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 1024, 8192])
 def test_matches_scaled_grouped_mm_at_model_dims(tokens):
@@ -96,6 +252,27 @@ def test_matches_scaled_grouped_mm_at_model_dims(tokens):
         out_dtype=torch.bfloat16,
     )
     torch.testing.assert_close(out, torch_out, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024, 8192])
+def test_fused_pipeline_gemms_at_model_dims(tokens):
+    """qwen3-30b-a3b: the gated GEMM1 (gather, silu, group quant) and the
+    group-scaled GEMM2 on its output, each against its reference."""
+    torch.manual_seed(tokens)
+    experts, topk, inter, k = 128, 8, 768, 2048
+    inputs = gated_problem(tokens, topk, experts, inter, k, "cuda", invalid=tokens)
+    (act, act_scale), (ref, ref_scale) = run_gated(inputs, "silu")
+    valid = int(inputs[-1][-1])
+    assert (act[:valid].float() != ref[:valid].float()).float().mean() < 0.05
+    torch.testing.assert_close(act_scale[:valid], ref_scale[:valid], rtol=1e-3, atol=0)
+    assert bool((act[valid:].float() == POISON).all())
+    offsets = inputs[-1]
+    w2 = (torch.randn(experts, k, inter, device="cuda") * 2).to(FP8_DTYPE)
+    w2_scale = torch.rand(experts, k, device="cuda") / inter + 1e-3
+    out, ref_out = run_both((act, act_scale, w2, w2_scale, offsets))
+    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-2)
+    assert bool((out[valid:] == POISON).all())
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,18 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 MIN_SCALE = 1e-12  # keeps all-zero rows finite (scale = MIN_SCALE / FP8_MAX)
 
-_MODES = {None: 0, "silu": 1, "swiglu": 2}
+MODES = {None: 0, "silu": 1, "swiglu": 2}  # the kernels' MODE
+
+
+@triton.jit
+def gated_act(gate, up, MODE: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """act(gate, up) in fp32: MODE 1 is silu(gate) * up, MODE 2 is the
+    clamped swiglu (``SWIGLU_ALPHA``, ``SWIGLU_LIMIT``)."""
+    if MODE == 1:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.minimum(gate, LIMIT)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
 
 
 @triton.jit
@@ -31,11 +42,7 @@ def _act(
         return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    if MODE == 1:
-        return gate / (1.0 + tl.exp(-gate)) * up
-    gate = tl.minimum(gate, LIMIT)
-    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-    return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+    return gated_act(gate, up, MODE, ALPHA, LIMIT)
 
 
 @triton.jit
@@ -89,9 +96,9 @@ def act_and_quant(
     An fp8 ``out`` needs ``out_scale`` [R] fp32, written with one scale per
     row (``out * scale`` restores the values).
     """
-    if activation not in _MODES:
+    if activation not in MODES:
         raise ValueError(
-            f"activation: expected one of {list(_MODES)}, got {activation!r}"
+            f"activation: expected one of {list(MODES)}, got {activation!r}"
         )
     if x.dim() != 2 or x.stride(1) != 1 or (activation and x.shape[1] % 2):
         width = "2 x cols" if activation else "cols"
@@ -127,7 +134,7 @@ def act_and_quant(
         cols,
         x.stride(0),
         out.stride(0),
-        MODE=_MODES[activation],
+        MODE=MODES[activation],
         QUANT=quant,
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
@@ -136,3 +143,16 @@ def act_and_quant(
         BLOCK=block,
         num_warps=4 if block <= 1024 else 8,
     )
+
+
+def gated_act_reference(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """fp32 ``act(gate_up[..., :I], gate_up[..., I:])`` in plain PyTorch."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu":
+        gate = gate.clamp(max=SWIGLU_LIMIT)
+        up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+        return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+    raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")

@@ -1,13 +1,23 @@
-"""FP8 w8a8 grouped GEMM over expert-contiguous rows (Triton).
+"""FP8 w8a8 grouped GEMMs over expert-contiguous rows (Triton).
 
-``out[r] = (a[r] @ w[e]^T) * a_scale[r] * w_scale[e]`` for the rows ``r`` of
-expert ``e`` (``offsets[e]:offsets[e+1]``, the permute's
-``expert_first_token_offset``). One program computes one BLOCK_M x BLOCK_N
-tile of one expert. The grid is a static upper bound on the number of row
-tiles (``cdiv(R, BLOCK_M) + min(E, R)``), so it never depends on the routing
-and the launch can be captured in a CUDA graph; each program finds its expert
-by a prefix sum of the per-expert tile counts and surplus programs exit. Rows
-at or past ``offsets[E]`` are not written.
+``grouped_gemm_fp8``: ``out[r] = (a[r] @ w[e]^T) * a_scale[r] * w_scale[e]``
+for the rows ``r`` of expert ``e`` (``offsets[e]:offsets[e+1]``, the
+permute's ``expert_first_token_offset``). ``a_scale`` is one scale per row,
+or one per row and 128-column group (the gated GEMM's output).
+
+``grouped_gemm_fp8_gated``: the first expert GEMM with the permute and the
+activation fused in. Row ``r`` reads its token's fp8 row straight from the
+unpermuted input (``src_routes[r] // topk``), so no permuted copy of the
+activations is written; the epilogue applies the gated activation to the
+gate and up halves and quantizes the result to fp8 with one scale per row
+and ``ACT_GROUP`` columns, so the [R, 2I] intermediate never reaches memory.
+
+One program computes one BLOCK_M-row tile of one expert (times one N tile).
+The grid is a static upper bound on the number of row tiles
+(``cdiv(R, BLOCK_M) + min(E, R)``), so it never depends on the routing and a
+launch can be captured in a CUDA graph; each program finds its expert by a
+prefix sum of the per-expert tile counts and surplus programs exit. Rows at
+or past ``offsets[E]`` are not written.
 """
 
 from __future__ import annotations
@@ -18,9 +28,46 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.activation_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    MODES,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    gated_act,
+    gated_act_reference,
+)
 from vllm.model_executor.kernels.checks import check_contiguous
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    per_token_group_quant_fp8,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
+# Columns per scale of the gated GEMM's fp8 output: one K step of the second
+# GEMM, which applies the scale per step.
+ACT_GROUP = 128
+
+
+@triton.jit
+def _expert_tile(
+    offsets_ptr, num_experts, m_tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    """(expert, first row, row end) of row tile ``m_tile``; an empty range
+    (first row >= row end) past the last tile."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    starts = tl.load(offsets_ptr + experts, mask=valid, other=0)
+    ends = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
+    tiles = tl.cdiv(ends - starts, BLOCK_M)
+    tiles_end = tl.cumsum(tiles, 0)
+    # The first expert whose tile range ends after m_tile (num_experts past
+    # the last tile: every sum below is then 0, so the range is empty).
+    expert = tl.sum((tiles_end <= m_tile).to(tl.int32))
+    mine = experts == expert
+    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
+    row_end = tl.sum(tl.where(mine, ends, 0))
+    row_start = tl.sum(tl.where(mine, starts, 0)) + (m_tile - first_tile) * BLOCK_M
+    return expert, row_start, row_end
 
 
 @triton.jit
@@ -34,6 +81,7 @@ def _grouped_gemm_fp8_kernel(
     N,
     K,
     num_experts,
+    A_GROUPED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -44,49 +92,149 @@ def _grouped_gemm_fp8_kernel(
     # N tiles vary fastest: neighbours share the A rows and the expert's weights.
     m_tile = pid // n_tiles
     n_tile = pid % n_tiles
-
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
-    starts = tl.load(offsets_ptr + experts, mask=valid, other=0)
-    ends = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
-    tiles = tl.cdiv(ends - starts, BLOCK_M)
-    tiles_end = tl.cumsum(tiles, 0)
-    if m_tile >= tl.sum(tiles):
+    expert, row_start, row_end = _expert_tile(
+        offsets_ptr, num_experts, m_tile, BLOCK_M, BLOCK_E
+    )
+    if row_start >= row_end:
         return
-    # The expert whose tile range holds m_tile, and the tile's first row.
-    expert = tl.sum((tiles_end <= m_tile).to(tl.int32))
-    first_tile = tl.sum(tl.where(experts == expert, tiles_end - tiles, 0))
-    row_start = tl.sum(tl.where(experts == expert, starts, 0))
-    row_end = tl.sum(tl.where(experts == expert, ends, 0))
-    row_start += (m_tile - first_tile) * BLOCK_M
 
-    rows = row_start + tl.arange(0, BLOCK_M)
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < row_end
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+    a_ptrs = a_ptr + rows[:, None] * K + ks[None, :]
     w_base = w_ptr + expert.to(tl.int64) * N * K
     w_ptrs = w_base + cols[None, :].to(tl.int64) * K + ks[:, None]
+    num_groups = tl.cdiv(K, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = k + ks < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        if A_GROUPED:  # one scale per row and K step
+            group_scale = tl.load(
+                a_scale_ptr + rows * num_groups + k // BLOCK_K, mask=row_ok, other=0.0
+            )
+            acc += tl.dot(a, w) * group_scale[:, None]
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+    if not A_GROUPED:
+        acc *= tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     w_scale = tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
-    acc = acc * a_scale[:, None] * w_scale[None, :]
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc *= w_scale[None, :]
+    out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
     tl.store(
         out_ptrs,
         acc.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+@triton.jit
+def _grouped_gemm_fp8_gated_kernel(
+    a_ptr,
+    a_scale_ptr,
+    src_routes_ptr,
+    w_ptr,
+    w_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    out_scale_ptr,
+    inter,
+    K,
+    num_experts,
+    topk,
+    MODE: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_groups = inter // GROUP
+    m_tile = pid // n_groups
+    group = pid % n_groups
+    expert, row_start, row_end = _expert_tile(
+        offsets_ptr, num_experts, m_tile, BLOCK_M, BLOCK_E
+    )
+    if row_start >= row_end:
+        return
+
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < row_end
+    tokens = (tl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk).to(tl.int64)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + tokens[:, None] * K + ks[None, :]
+    # w13[e] holds the gate rows, then the up rows.
+    gate_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * 2 * inter * K
+        + cols[None, :].to(tl.int64) * K
+        + ks[:, None]
+    )
+    up_ptrs = gate_ptrs + inter * K
+
+    gate = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = k + ks < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        gate = tl.dot(a, tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0), gate)
+        up = tl.dot(a, tl.load(up_ptrs, mask=k_ok[:, None], other=0.0), up)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+
+    a_scale = tl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)[:, None]
+    w_scales = w_scale_ptr + expert * 2 * inter + cols
+    gate *= a_scale * tl.load(w_scales)[None, :]
+    up *= a_scale * tl.load(w_scales + inter)[None, :]
+    y = gated_act(gate, up, MODE, ALPHA, LIMIT)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), MIN_SCALE) / FP8_MAX
+    q = tl.clamp(y * (1.0 / scale)[:, None], -FP8_MAX, FP8_MAX)
+    out_ptrs = out_ptr + rows[:, None] * inter + cols[None, :]
+    tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_scale_ptr + rows * n_groups + group, scale, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    block_m: int
+    block_n: int  # the gated GEMM: ACT_GROUP (gate and up tiles of this width)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
+    """The fastest checked tiles on the H200 (benchmark_grouped_gemm_fp8
+    --sweep): short row groups waste less of a 64-row tile; from 64 rows per
+    expert on, wide 128x256 tiles halve the A re-reads."""
+    if rows <= 64 * num_experts:
+        return GroupedGemmConfig(64, 128, 128, 4, 4)
+    return GroupedGemmConfig(128, 256, 128, 8, 3)
+
+
+def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
+    """Gate and up tiles of ACT_GROUP columns each (a 256-wide tile)."""
+    if rows <= 64 * num_experts:
+        return GroupedGemmConfig(64, ACT_GROUP, 128, 4, 4)
+    return GroupedGemmConfig(128, ACT_GROUP, 128, 8, 3)
+
+
+def _row_tiles(rows: int, num_experts: int, block_m: int) -> int:
+    # At most min(E, R) experts have rows, each with one partial tile.
+    return triton.cdiv(rows, block_m) + min(num_experts, rows)
 
 
 def _check(
@@ -105,33 +253,16 @@ def _check(
         raise ValueError(f"out: expected bfloat16 or float16, got {out.dtype}")
     num_experts, n, k = w.shape
     rows = a.shape[0]
+    scale_shape = [rows] if a_scale.dim() < 2 else [rows, triton.cdiv(k, ACT_GROUP)]
     for name, tensor, dtype, shape in (
         ("a", a, FP8_DTYPE, [rows, k]),
-        ("a_scale", a_scale, torch.float32, [rows]),
+        ("a_scale", a_scale, torch.float32, scale_shape),
         ("w", w, FP8_DTYPE, [num_experts, n, k]),
         ("w_scale", w_scale, torch.float32, [num_experts, n]),
         ("expert_first_token_offset", offsets, torch.int64, [num_experts + 1]),
         ("out", out, out.dtype, [rows, n]),
     ):
         check_contiguous(name, tensor, dtype, shape, w.device)
-
-
-@dataclass(frozen=True)
-class GroupedGemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
-    """The fastest checked tiles on the H200 (benchmark_grouped_gemm_fp8
-    --sweep): short row groups waste less of a 64-row tile; from 64 rows per
-    expert on, wide 128x256 tiles halve the A re-reads."""
-    if rows <= 64 * num_experts:
-        return GroupedGemmConfig(64, 128, 128, 4, 4)
-    return GroupedGemmConfig(128, 256, 128, 8, 3)
 
 
 def grouped_gemm_fp8(
@@ -144,8 +275,9 @@ def grouped_gemm_fp8(
     config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
     """Writes the rows below ``expert_first_token_offset[-1]`` of ``out``
-    [R, N] from ``a`` [R, K] fp8 with per-row ``a_scale`` [R] and ``w``
-    [E, N, K] fp8 with per-channel ``w_scale`` [E, N]; returns ``out``.
+    [R, N] from ``a`` [R, K] fp8 and ``w`` [E, N, K] fp8 with per-channel
+    ``w_scale`` [E, N]; returns ``out``. ``a_scale`` is [R] (per row) or
+    [R, cdiv(K, ACT_GROUP)] (per row and group of ACT_GROUP columns).
 
     The offsets (int64 [E + 1], the permute's) must ascend from 0 to at most
     R: they live on the device and are not checked, so that the call needs no
@@ -155,9 +287,14 @@ def grouped_gemm_fp8(
         return out
     num_experts, n, k = w.shape
     cfg = config or default_config(a.shape[0], num_experts)
-    # At most min(E, R) experts have rows, each with one partial tile.
-    max_tiles = triton.cdiv(a.shape[0], cfg.block_m) + min(num_experts, a.shape[0])
-    grid = (max_tiles * triton.cdiv(n, cfg.block_n),)
+    grouped = a_scale.dim() == 2
+    if grouped and cfg.block_k != ACT_GROUP:
+        raise ValueError(
+            f"config: group-scaled a needs block_k == {ACT_GROUP}, got {cfg.block_k}"
+        )
+    grid = (
+        _row_tiles(a.shape[0], num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n),
+    )
     _grouped_gemm_fp8_kernel[grid](
         a,
         a_scale,
@@ -168,6 +305,7 @@ def grouped_gemm_fp8(
         n,
         k,
         num_experts,
+        A_GROUPED=grouped,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -176,6 +314,117 @@ def grouped_gemm_fp8(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _check_gated(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    src_routes: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: str,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
+    if w13.dim() != 3 or w13.shape[1] % (2 * ACT_GROUP):
+        raise ValueError(
+            f"w13: expected [E, 2 * I, K] with I a multiple of {ACT_GROUP}, got "
+            f"shape {list(w13.shape)}"
+        )
+    if a.dim() != 2:
+        raise ValueError(f"a: expected [T, K], got shape {list(a.shape)}")
+    if out.dim() != 2:
+        raise ValueError(f"out: expected [R, I], got shape {list(out.shape)}")
+    if activation not in ("silu", "swiglu"):
+        raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
+    if topk < 1:
+        raise ValueError(f"topk: expected >= 1, got {topk}")
+    num_experts, n, k = w13.shape
+    tokens, rows, inter = a.shape[0], out.shape[0], n // 2
+    for name, tensor, dtype, shape in (
+        ("a", a, FP8_DTYPE, [tokens, k]),
+        ("a_scale", a_scale, torch.float32, [tokens]),
+        ("src_routes", src_routes, torch.int32, [rows]),
+        ("w13", w13, FP8_DTYPE, [num_experts, n, k]),
+        ("w13_scale", w13_scale, torch.float32, [num_experts, n]),
+        ("expert_first_token_offset", offsets, torch.int64, [num_experts + 1]),
+        ("out", out, FP8_DTYPE, [rows, inter]),
+        ("out_scale", out_scale, torch.float32, [rows, inter // ACT_GROUP]),
+    ):
+        check_contiguous(name, tensor, dtype, shape, w13.device)
+
+
+def grouped_gemm_fp8_gated(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    src_routes: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    activation: str,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+    config: GroupedGemmConfig | None = None,
+) -> None:
+    """``out, out_scale`` = fp8 quantization, per row and ACT_GROUP columns,
+    of ``act(gate, up)`` where ``[gate | up] = (a[t] @ w13[e]^T) * a_scale[t]
+    * w13_scale[e]`` for each row ``r`` below ``expert_first_token_offset[-1]``
+    of expert ``e``, with ``t = src_routes[r] // topk``.
+
+    ``a`` [T, K] fp8 with per-token ``a_scale`` [T]; ``src_routes`` int32
+    [R] (the permute's destination -> route index, each < T * topk);
+    ``w13`` [E, 2I, K] fp8 (gate rows, then up rows) with ``w13_scale``
+    [E, 2I]; ``out`` [R, I] fp8 and ``out_scale`` [R, I // ACT_GROUP] fp32.
+    Offsets and routes live on the device and are not checked (no host sync,
+    CUDA-graph capturable)."""
+    _check_gated(
+        a,
+        a_scale,
+        src_routes,
+        topk,
+        w13,
+        w13_scale,
+        expert_first_token_offset,
+        activation,
+        out,
+        out_scale,
+    )
+    rows = out.shape[0]
+    if rows == 0:
+        return
+    num_experts, n, k = w13.shape
+    cfg = config or default_gated_config(rows, num_experts)
+    if cfg.block_n != ACT_GROUP:
+        raise ValueError(f"config: expected block_n == {ACT_GROUP}, got {cfg.block_n}")
+    grid = (_row_tiles(rows, num_experts, cfg.block_m) * (n // 2 // ACT_GROUP),)
+    _grouped_gemm_fp8_gated_kernel[grid](
+        a,
+        a_scale,
+        src_routes,
+        w13,
+        w13_scale,
+        expert_first_token_offset,
+        out,
+        out_scale,
+        n // 2,
+        k,
+        num_experts,
+        topk,
+        MODE=MODES[activation],
+        ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE,
+        BLOCK_M=cfg.block_m,
+        GROUP=ACT_GROUP,
+        BLOCK_K=cfg.block_k,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def grouped_gemm_fp8_reference(
@@ -189,9 +438,52 @@ def grouped_gemm_fp8_reference(
     """Plain PyTorch, fp32 per expert: the oracle in tests."""
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)
     bounds = expert_first_token_offset.tolist()
+    k = a.shape[1]
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if lo < hi:
-            product = a[lo:hi].float() @ w[e].float().t()
-            out[lo:hi] = (product * a_scale[lo:hi, None] * w_scale[e]).to(out.dtype)
+            rows = a[lo:hi].float()
+            if a_scale.dim() == 2:
+                rows *= a_scale[lo:hi].repeat_interleave(ACT_GROUP, dim=1)[:, :k]
+            else:
+                rows *= a_scale[lo:hi, None]
+            out[lo:hi] = (rows @ w[e].float().t() * w_scale[e]).to(out.dtype)
     return out
+
+
+def grouped_gemm_fp8_gated_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    src_routes: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    activation: str,
+    out: torch.Tensor,
+    out_scale: torch.Tensor,
+) -> None:
+    """Plain PyTorch, fp32 per expert: the oracle in tests."""
+    _check_gated(
+        a,
+        a_scale,
+        src_routes,
+        topk,
+        w13,
+        w13_scale,
+        expert_first_token_offset,
+        activation,
+        out,
+        out_scale,
+    )
+    bounds = expert_first_token_offset.tolist()
+    for e in range(w13.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo < hi:
+            tokens = src_routes[lo:hi].long() // topk
+            gate_up = a[tokens].float() @ w13[e].float().t()
+            gate_up *= a_scale[tokens, None] * w13_scale[e]
+            q, scale = per_token_group_quant_fp8(
+                gated_act_reference(activation, gate_up), ACT_GROUP
+            )
+            out[lo:hi], out_scale[lo:hi] = q, scale

@@ -9,25 +9,12 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.activation_quant import (
-    SWIGLU_ALPHA,
-    SWIGLU_LIMIT,
     act_and_quant,
+    gated_act_reference,
 )
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     per_token_quant_fp8,
 )
-
-
-def _reference(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
-    inter = gate_up.shape[-1] // 2
-    gate, up = gate_up[..., :inter].float(), gate_up[..., inter:].float()
-    if activation == "silu":
-        return torch.nn.functional.silu(gate) * up
-    if activation == "swiglu":
-        gate = gate.clamp(max=SWIGLU_LIMIT)
-        up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-        return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
-    raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
 
 
 def apply_moe_activation(
@@ -37,7 +24,7 @@ def apply_moe_activation(
     if gate_up.is_cuda:
         act_and_quant(gate_up, out, activation)
         return out
-    return out.copy_(_reference(activation, gate_up))
+    return out.copy_(gated_act_reference(activation, gate_up))
 
 
 def quant_rows_fp8(
@@ -50,7 +37,7 @@ def quant_rows_fp8(
     if x.is_cuda:
         act_and_quant(x, out, activation, out_scale)
         return
-    rows = x if activation is None else _reference(activation, x)
+    rows = x if activation is None else gated_act_reference(activation, x)
     q, scale = per_token_quant_fp8(rows)
     out.copy_(q)
     out_scale.copy_(scale.view(-1))

@@ -229,7 +229,8 @@ def moe_prepare_scatter(
     For backends that write activations straight to their permuted rows
     (e.g. while quantizing them): route ``t * topk + k`` goes to row
     ``inv_permuted_idx[t * topk + k]``; rows at or past ``offsets[-1]`` are
-    non-local or invalid routes.
+    non-local or invalid routes. Afterwards ``scratch.permuted_idx[:T * topk]``
+    holds the reverse, destination -> route, for backends that gather.
     """
     _check_routing(
         topk_ids,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.activation import SWIGLU_ALPHA, SWIGLU_LIMIT
+from vllm.model_executor.kernels.activation_quant import SWIGLU_ALPHA, SWIGLU_LIMIT
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,

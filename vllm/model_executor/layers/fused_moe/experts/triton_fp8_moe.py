@@ -1,10 +1,21 @@
-"""FP8 w8a8 experts on this project's Triton grouped GEMM.
+"""FP8 w8a8 experts on this project's Triton grouped GEMMs, permute and
+activation fused in.
 
-The same pipeline, weights and workspaces as :class:`CutlassExpertsFp8`; only
-the two grouped GEMMs differ. On the H200 at qwen3-30b-a3b dims the Triton
-GEMMs are 1.3x (64-1024 tokens) to 3x (8192 tokens) faster than
-``torch._scaled_grouped_mm`` (benchmarks/RESULTS.md). CPU tensors take the
-kernel's plain-PyTorch reference.
+Weights as :class:`CutlassExpertsFp8` (fp8, one scale per output channel).
+Pipeline, with no permuted copy of the activations and no [R, 2I]
+intermediate in memory:
+
+1. the tokens are quantized per row into workspace13 ([M, K] fp8 + scales);
+2. the routes are sorted by local expert (``moe_prepare_scatter``);
+3. GEMM1 reads each row's token straight from workspace13 through the
+   sort's destination -> route index, applies the gated activation in its
+   epilogue and writes it as fp8 with one scale per row and 128 columns into
+   workspace2;
+4. GEMM2 applies those scales per K step and writes its bf16 rows into
+   workspace13 (the quantized tokens are dead by then);
+5. the unpermute reduces each token's top-k rows into the output.
+
+CPU tensors take the kernels' plain-PyTorch references.
 """
 
 from __future__ import annotations
@@ -12,25 +23,101 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    ACT_GROUP,
     grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
+    grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
 )
-from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
+from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
+    Fp8ChannelExperts,
+)
+from vllm.model_executor.layers.fused_moe.modular_kernel import Shape, carve
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    moe_prepare_scatter,
+    moe_unpermute,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import FP8_DTYPE
+from vllm.v1.worker.workspace import align_up
 
 
-class TritonExpertsFp8(CutlassExpertsFp8):
-    def gemm_layout(self, expert_first_token_offset: torch.Tensor) -> torch.Tensor:
-        return expert_first_token_offset  # the kernel reads the offsets as they are
-
-    def grouped_gemm(
+class TritonExpertsFp8(Fp8ChannelExperts):
+    def __init__(
         self,
-        a: torch.Tensor,
-        a_scale: torch.Tensor,
-        w: torch.Tensor,
-        w_scale: torch.Tensor,
-        layout: torch.Tensor,
-        out_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        out = torch.empty(a.shape[0], w.shape[1], device=a.device, dtype=out_dtype)
-        gemm = grouped_gemm_fp8 if a.is_cuda else grouped_gemm_fp8_reference
-        return gemm(a, a_scale, w, w_scale, layout, out)
+        moe: FusedMoEConfig,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> None:
+        if moe.intermediate_size % ACT_GROUP:
+            raise ValueError(
+                f"intermediate_size: triton_fp8 quantizes the activation in groups "
+                f"of {ACT_GROUP} columns, got {moe.intermediate_size}"
+            )
+        super().__init__(moe, w13, w13_scale, w2, w2_scale)
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        rows = M * topk
+        # workspace13: the fp8 tokens + scales, later GEMM2's bf16 rows.
+        workspace13 = max(align_up(M * K) + M * 4, rows * K * 2)
+        # workspace2: the fp8 activation + its group scales.
+        workspace2 = align_up(rows * (N // 2)) + rows * (N // 2 // ACT_GROUP) * 4
+        return (workspace13,), (workspace2,), (M, K)
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows, inter = topk_ids.numel(), moe.intermediate_size
+        num_tokens, hidden = hidden_states.shape
+        a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
+        a_scale = carve(
+            workspace13, (num_tokens,), torch.float32, align_up(a_q.numel())
+        )
+        quant_rows_fp8(hidden_states, a_q, a_scale)
+        scratch = self.permute_scratch(hidden_states.device)
+        offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
+        act_q = carve(workspace2, (rows, inter), FP8_DTYPE)
+        act_scale = carve(
+            workspace2,
+            (rows, inter // ACT_GROUP),
+            torch.float32,
+            align_up(act_q.numel()),
+        )
+        cuda = hidden_states.is_cuda
+        gated = grouped_gemm_fp8_gated if cuda else grouped_gemm_fp8_gated_reference
+        gated(
+            a_q,
+            a_scale,
+            scratch.permuted_idx[:rows],
+            topk_ids.shape[1],
+            self.w13,
+            self.w13_scale,
+            offsets,
+            moe.activation,
+            act_q,
+            act_scale,
+        )
+        down = carve(workspace13, (rows, hidden), output.dtype)
+        gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
+        gemm(act_q, act_scale, self.w2, self.w2_scale, offsets, down)
+        moe_unpermute(output, down, topk_weights, inv, offsets)

@@ -1,0 +1,63 @@
+"""FP8 w8a8 experts' weights: fp8 e4m3 with one scale per output channel.
+
+The base of the FP8 per-token backends, which differ only in their pipeline
+(``workspace_shapes`` and ``apply``).
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    check_tensors,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    FP8_DTYPE,
+    per_channel_quant_fp8,
+)
+
+
+class Fp8ChannelExperts(FusedMoEExperts):
+    supported_schemes = (QuantScheme.FP8_PER_TOKEN,)
+
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> None:
+        super().__init__(moe)
+        if moe.hidden_size % 16 or moe.intermediate_size % 16:
+            raise ValueError(
+                "hidden_size/intermediate_size: fp8 grouped GEMMs need multiples of "
+                f"16, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        el = moe.num_local_experts
+        check_tensors(
+            ("w13", w13, (el, moe.w13_rows, moe.hidden_size), FP8_DTYPE),
+            ("w13_scale", w13_scale, (el, moe.w13_rows), torch.float32),
+            ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), FP8_DTYPE),
+            ("w2_scale", w2_scale, (el, moe.hidden_size), torch.float32),
+        )
+        self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
+        self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
+
+    @classmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> Self:
+        w13_q, w13_scale = per_channel_quant_fp8(w13)
+        w2_q, w2_scale = per_channel_quant_fp8(w2)
+        return cls(moe, w13_q, w13_scale, w2_q, w2_scale)
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self.w13.float() * self.w13_scale[..., None],
+            self.w2.float() * self.w2_scale[..., None],
+        )
