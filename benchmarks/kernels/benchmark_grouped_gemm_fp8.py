@@ -2,12 +2,11 @@
 
 On the two expert GEMMs of a MoE layer (default: qwen3-30b-a3b, 128 experts,
 top-8, hidden 2048, intermediate 768) with uniform random routing, as the
-triton_fp8 layer runs them: GEMM1 gathers its rows and applies the activation
-and its fp8 quantization in the epilogue, GEMM2 takes per-128-column
-activation scales. ``_scaled_grouped_mm`` runs the same products on permuted
-rows with per-row scales. Timed under CUDA-graph replay; TFLOP/s (of the
-GEMM alone) and the fraction of the H200's dense fp8 peak. ``--sweep`` also
-times each Triton tile config.
+triton_fp8 layer runs them: GEMM1 gathers its rows and applies the gated
+activation in the epilogue. ``_scaled_grouped_mm`` runs the same products on
+permuted rows (GEMM1 without the activation). Timed under CUDA-graph
+replay; TFLOP/s (of the products) and the fraction of the H200's dense fp8
+peak. ``--sweep`` also times each Triton tile config.
 
     python -m benchmarks.kernels.benchmark_grouped_gemm_fp8 --tokens 1024 8192
 """
@@ -27,7 +26,6 @@ from benchmarks.kernels.bench_utils import (
     write_results,
 )
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    ACT_GROUP,
     FP8_DTYPE,
     GroupedGemmConfig,
     default_config,
@@ -51,12 +49,12 @@ SWEEP = {
     "down": [
         GroupedGemmConfig(*c)
         for c in [
-            (128, 128, 128, 8, 4),
             (128, 256, 128, 8, 3),
+            (128, 128, 128, 8, 4),
             (64, 128, 128, 4, 4),
-            (128, 128, 128, 4, 4),
             (64, 256, 128, 8, 3),
-            (128, 64, 128, 4, 4),
+            (128, 256, 64, 8, 4),
+            (256, 128, 128, 8, 3),
         ]
     ],
 }
@@ -91,8 +89,9 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
     a_perm = a[src_routes.long() // topk]
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda").to(FP8_DTYPE)
     w13_scale = torch.rand(experts, 2 * inter, device="cuda")
-    act = torch.randn(rows, inter, device="cuda").to(FP8_DTYPE)
-    act_scale = torch.rand(rows, inter // ACT_GROUP, device="cuda")
+    act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+    act_q = torch.randn(rows, inter, device="cuda").to(FP8_DTYPE)
+    act_scale = torch.rand(rows, device="cuda")
     w2 = torch.randn(experts, hidden, inter, device="cuda").to(FP8_DTYPE)
     w2_scale = torch.rand(experts, hidden, device="cuda")
     down = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -109,12 +108,11 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
             offsets,
             "silu",
             act,
-            act_scale,
             config,
         )
 
     def down_proj(config: GroupedGemmConfig | None) -> None:
-        grouped_gemm_fp8(act, act_scale, w2, w2_scale, offsets, down, config)
+        grouped_gemm_fp8(act_q, act_scale, w2, w2_scale, offsets, down, config)
 
     gemms = {
         "gate_up": (
@@ -125,7 +123,7 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
         "down": (
             down_proj,
             default_config(rows, experts),
-            (act, w2, act_scale[:, 0].contiguous(), w2_scale),
+            (act_q, w2, act_scale, w2_scale),
         ),
     }
     results = []

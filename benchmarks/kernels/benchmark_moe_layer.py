@@ -8,7 +8,7 @@ of the same routing:
   them (1 - GEMMs / layer): ``torch._grouped_mm`` for bf16,
   ``_scaled_grouped_mm`` for cutlass, the Triton kernels for triton_fp8
   (whose GEMM1 has the gather and the activation fused in, so outside them
-  are the input quantization, the sort and the unpermute);
+  are the two quantizations, the sort and the unpermute);
 - torch's grouped GEMMs alone (``_grouped_mm`` / ``_scaled_grouped_mm``), the
   alternative a user would pick, for every bf16 and FP8 per-token layer.
 
@@ -34,8 +34,6 @@ from benchmarks.kernels.bench_utils import (
     write_results,
 )
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    ACT_GROUP,
-    FP8_DTYPE,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
 )
@@ -171,13 +169,12 @@ def triton_fp8_gemms(
     src_routes: torch.Tensor,
     offsets: torch.Tensor,
 ) -> Callable[[int], None]:
-    """The layer's two GEMMs: gated GEMM1 (gather, activation, fp8 groups)
-    and GEMM2 on its output."""
+    """The layer's two GEMMs: GEMM1 with its gather and activation, GEMM2."""
     moe = experts.moe
     rows, inter = src_routes.shape[0], moe.intermediate_size
     a_q, a_scale = per_token_quant_fp8(hidden)
-    act_q = torch.empty(rows, inter, device=hidden.device, dtype=FP8_DTYPE)
-    act_scale = torch.empty(rows, inter // ACT_GROUP, device=hidden.device)
+    act = torch.empty(rows, inter, device=hidden.device, dtype=hidden.dtype)
+    act_q, act_scale = per_token_quant_fp8(act.normal_())
     down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=hidden.dtype)
 
     def step(it: int) -> None:
@@ -190,10 +187,11 @@ def triton_fp8_gemms(
             experts.w13_scale,
             offsets,
             moe.activation,
-            act_q,
-            act_scale,
+            act,
         )
-        grouped_gemm_fp8(act_q, act_scale, experts.w2, experts.w2_scale, offsets, down)
+        grouped_gemm_fp8(
+            act_q, act_scale.view(-1), experts.w2, experts.w2_scale, offsets, down
+        )
 
     return step
 

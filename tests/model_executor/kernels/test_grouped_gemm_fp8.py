@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    ACT_GROUP,
     FP8_DTYPE,
     GroupedGemmConfig,
     grouped_gemm_fp8,
@@ -80,28 +79,6 @@ def test_zero_rows_and_fp16(device):
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("k", [128, 200])
-def test_group_scaled_a_matches_reference(device, k):
-    """a_scale per row and 128 columns (the gated GEMM's output), applied per
-    K step; K=200 ends in a partial group."""
-    torch.manual_seed(k)
-    a, _, w, w_scale, offsets = problem([9, 0, 40], 48, k, device)
-    groups = -(-k // ACT_GROUP)
-    a_scale = torch.rand(a.shape[0], groups, device=device) + 0.1
-    out, ref = run_both(
-        (a, a_scale, w, w_scale, offsets), config=GroupedGemmConfig(16, 32, 128, 4, 1)
-    )
-    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
-    assert bool((out[49:] == POISON).all())
-    # Each group's scale matters: scaling one group changes the result.
-    a_scale[:, -1] *= 2
-    changed = torch.full_like(out, POISON)
-    grouped_gemm_fp8(
-        a, a_scale, w, w_scale, offsets, changed, GroupedGemmConfig(16, 32, 128, 4, 1)
-    )
-    assert not torch.allclose(changed[:49].float(), out[:49].float())
-
-
 GatedProblem = tuple[
     torch.Tensor,
     torch.Tensor,
@@ -131,19 +108,19 @@ def gated_problem(
     return a, a_scale, src_routes, topk, w13, w13_scale, offsets
 
 
-def run_gated(inputs: GatedProblem, activation: str, config=None):
+def run_gated(
+    inputs: GatedProblem,
+    activation: str,
+    config: GroupedGemmConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
     a, _, src_routes, _, w13, _, _ = inputs
-    rows, inter = src_routes.shape[0], w13.shape[1] // 2
-    results = [
-        (
-            torch.full((rows, inter), POISON, device=a.device).to(FP8_DTYPE),
-            torch.full((rows, inter // ACT_GROUP), POISON, device=a.device),
-        )
-        for _ in range(2)
-    ]
-    grouped_gemm_fp8_gated(*inputs, activation, *results[0], config)
-    grouped_gemm_fp8_gated_reference(*inputs, activation, *results[1])
-    return results
+    shape = (src_routes.shape[0], w13.shape[1] // 2)
+    out = torch.full(shape, POISON, device=a.device, dtype=dtype)
+    ref = torch.full(shape, POISON, device=a.device, dtype=dtype)
+    assert grouped_gemm_fp8_gated(*inputs, activation, out, config) is out
+    grouped_gemm_fp8_gated_reference(*inputs, activation, ref)
+    return out, ref
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu"])
@@ -151,58 +128,44 @@ def run_gated(inputs: GatedProblem, activation: str, config=None):
     "tokens,topk,invalid", [(1, 1, 0), (13, 2, 0), (40, 3, 7)], ids=str
 )
 def test_gated_matches_reference(device, activation, tokens, topk, invalid):
-    """Small tiles: several K steps (K=72 ends in a partial one) and two
-    activation groups; routes past the offsets' end are never written."""
+    """Small tiles: several gate/up tiles (I=80 ends in a partial one) and
+    K steps (K=72 too); routes past the offsets' end are never written."""
     torch.manual_seed(tokens + topk)
-    inputs = gated_problem(tokens, topk, 4, 2 * ACT_GROUP, 72, device, invalid)
-    (out, scale), (ref, ref_scale) = run_gated(
-        inputs, activation, GroupedGemmConfig(16, ACT_GROUP, 32, 4, 1)
-    )
+    inputs = gated_problem(tokens, topk, 4, 80, 72, device, invalid)
+    out, ref = run_gated(inputs, activation, GroupedGemmConfig(16, 32, 32, 4, 1))
     valid = int(inputs[-1][-1])
     assert valid == tokens * topk - invalid
-    torch.testing.assert_close(scale[:valid], ref_scale[:valid], rtol=1e-4, atol=0)
-    # An fp8 value may be one step off where the fp32 sums round apart: one
-    # e4m3 step is 1/8 of the value for normals, 2^-9 of the scale below.
-    assert (out[:valid].float() != ref[:valid].float()).float().mean() < 0.05
-    if device.type == "cuda":
-        # Triton's interpreter mis-rounds fp8 casts just below a power of two
-        # (7.9 -> 4), so the bound per element only holds on the GPU.
-        group_scale = ref_scale[:valid].repeat_interleave(ACT_GROUP, 1)
-        got = out[:valid].float() * group_scale
-        want = ref[:valid].float() * group_scale
-        step = torch.maximum(want.abs() / 8, group_scale * 2**-9)
-        assert bool(((got - want).abs() <= step * 1.01).all())
-    assert bool((out[valid:].float() == POISON).all())
-    assert bool((scale[valid:] == POISON).all())
+    torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
+    assert bool((out[valid:] == POISON).all())
 
 
-def test_gated_zero_rows(device):
-    inputs = gated_problem(0, 2, 3, ACT_GROUP, 32, device)
-    out = torch.empty(0, ACT_GROUP, device=device, dtype=FP8_DTYPE)
-    scale = torch.empty(0, 1, device=device)
-    grouped_gemm_fp8_gated(*inputs, "silu", out, scale)
+def test_gated_zero_rows_and_fp16(device):
+    inputs = gated_problem(0, 2, 3, 32, 32, device)
+    out = torch.empty(0, 32, device=device, dtype=torch.bfloat16)
+    assert grouped_gemm_fp8_gated(*inputs, "silu", out) is out
+    torch.manual_seed(2)
+    out, ref = run_gated(
+        gated_problem(9, 2, 3, 48, 64, device), "silu", dtype=torch.float16
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda t: t.update(w13=t["w13"][:, :-16]), "w13: expected .* multiple of 128"),
+        (lambda t: t.update(w13=t["w13"][:, :-1]), r"w13: expected \[E, 2 \* I, K\]"),
         (lambda t: t.update(src_routes=t["src_routes"].long()), "src_routes: expected"),
         (lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale: expected"),
-        (lambda t: t.update(out=t["out"].bfloat16()), "out: expected"),
-        (lambda t: t.update(out_scale=t["out_scale"][:, :1]), "out_scale: expected"),
+        (lambda t: t.update(out=t["out"].float()), "out: expected a bfloat16"),
+        (lambda t: t.update(out=t["out"][:, :-1]), "out: expected contiguous"),
         (lambda t: t.update(activation="gelu"), "activation: expected"),
         (lambda t: t.update(topk=0), "topk: expected"),
-        (
-            lambda t: t.update(config=GroupedGemmConfig(16, 64, 32, 4, 1)),
-            "config: expected block_n == 128",
-        ),
     ],
-    ids=["w13", "src_routes", "a_scale", "out", "out_scale", "act", "topk", "config"],
+    ids=["w13", "src_routes", "a_scale", "out-dtype", "out-cols", "act", "topk"],
 )
 def test_gated_bad_input_names_the_argument(device, change, message):
     a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
-        3, 2, 2, 2 * ACT_GROUP, 32, device
+        3, 2, 2, 32, 32, device
     )
     t: dict[str, Any] = {
         "a_scale": a_scale,
@@ -210,9 +173,7 @@ def test_gated_bad_input_names_the_argument(device, change, message):
         "topk": topk,
         "w13": w13,
         "activation": "silu",
-        "out": torch.empty(6, 2 * ACT_GROUP, device=device, dtype=FP8_DTYPE),
-        "out_scale": torch.empty(6, 2, device=device),
-        "config": None,
+        "out": torch.empty(6, 32, device=device, dtype=torch.bfloat16),
     }
     change(t)
     with pytest.raises(ValueError, match=message):
@@ -226,8 +187,6 @@ def test_gated_bad_input_names_the_argument(device, change, message):
             offsets,
             t["activation"],
             t["out"],
-            t["out_scale"],
-            t["config"],
         )
 
 
@@ -256,22 +215,14 @@ def test_matches_scaled_grouped_mm_at_model_dims(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 1024, 8192])
-def test_fused_pipeline_gemms_at_model_dims(tokens):
-    """qwen3-30b-a3b: the gated GEMM1 (gather, silu, group quant) and the
-    group-scaled GEMM2 on its output, each against its reference."""
+def test_gated_at_model_dims(tokens):
+    """qwen3-30b-a3b GEMM1 with the launcher's tiles; a share of the routes
+    is non-local (sorted last, as the permute leaves them)."""
     torch.manual_seed(tokens)
-    experts, topk, inter, k = 128, 8, 768, 2048
-    inputs = gated_problem(tokens, topk, experts, inter, k, "cuda", invalid=tokens)
-    (act, act_scale), (ref, ref_scale) = run_gated(inputs, "silu")
+    inputs = gated_problem(tokens, 8, 128, 768, 2048, "cuda", invalid=tokens)
+    out, ref = run_gated(inputs, "silu")
     valid = int(inputs[-1][-1])
-    assert (act[:valid].float() != ref[:valid].float()).float().mean() < 0.05
-    torch.testing.assert_close(act_scale[:valid], ref_scale[:valid], rtol=1e-3, atol=0)
-    assert bool((act[valid:].float() == POISON).all())
-    offsets = inputs[-1]
-    w2 = (torch.randn(experts, k, inter, device="cuda") * 2).to(FP8_DTYPE)
-    w2_scale = torch.rand(experts, k, device="cuda") / inter + 1e-3
-    out, ref_out = run_both((act, act_scale, w2, w2_scale, offsets))
-    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
     assert bool((out[valid:] == POISON).all())
 
 

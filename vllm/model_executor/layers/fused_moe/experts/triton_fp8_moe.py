@@ -1,5 +1,5 @@
-"""FP8 w8a8 experts on this project's Triton grouped GEMMs, permute and
-activation fused in.
+"""FP8 w8a8 experts on this project's Triton grouped GEMMs, with the permute
+and the activation fused into GEMM1.
 
 Weights as :class:`CutlassExpertsFp8` (fp8, one scale per output channel).
 Pipeline, with no permuted copy of the activations and no [R, 2I]
@@ -8,12 +8,11 @@ intermediate in memory:
 1. the tokens are quantized per row into workspace13 ([M, K] fp8 + scales);
 2. the routes are sorted by local expert (``moe_prepare_scatter``);
 3. GEMM1 reads each row's token straight from workspace13 through the
-   sort's destination -> route index, applies the gated activation in its
-   epilogue and writes it as fp8 with one scale per row and 128 columns into
-   workspace2;
-4. GEMM2 applies those scales per K step and writes its bf16 rows into
-   workspace13 (the quantized tokens are dead by then);
-5. the unpermute reduces each token's top-k rows into the output.
+   sort's destination -> route index and writes ``act(gate, up)`` [R, I]
+   into workspace2;
+4. that is quantized per row into workspace13 (the tokens are dead by then);
+5. GEMM2 writes its rows into workspace2 (the activation is dead by then);
+6. the unpermute reduces each token's top-k rows into the output.
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -23,14 +22,12 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    ACT_GROUP,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
     Fp8ChannelExperts,
 )
@@ -44,21 +41,6 @@ from vllm.v1.worker.workspace import align_up
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
-    def __init__(
-        self,
-        moe: FusedMoEConfig,
-        w13: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2: torch.Tensor,
-        w2_scale: torch.Tensor,
-    ) -> None:
-        if moe.intermediate_size % ACT_GROUP:
-            raise ValueError(
-                f"intermediate_size: triton_fp8 quantizes the activation in groups "
-                f"of {ACT_GROUP} columns, got {moe.intermediate_size}"
-            )
-        super().__init__(moe, w13, w13_scale, w2, w2_scale)
-
     def workspace_shapes(
         self,
         M: int,
@@ -68,11 +50,12 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         global_num_experts: int,
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
-        rows = M * topk
-        # workspace13: the fp8 tokens + scales, later GEMM2's bf16 rows.
-        workspace13 = max(align_up(M * K) + M * 4, rows * K * 2)
-        # workspace2: the fp8 activation + its group scales.
-        workspace2 = align_up(rows * (N // 2)) + rows * (N // 2 // ACT_GROUP) * 4
+        rows, inter = M * topk, N // 2
+        # workspace13: fp8 rows + row scales, first of the M input tokens,
+        # then of the R activation rows.
+        workspace13 = max(align_up(M * K) + M * 4, align_up(rows * inter) + rows * 4)
+        # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
+        workspace2 = max(rows * inter, rows * K) * 2
         return (workspace13,), (workspace2,), (M, K)
 
     def apply(
@@ -96,13 +79,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        act_q = carve(workspace2, (rows, inter), FP8_DTYPE)
-        act_scale = carve(
-            workspace2,
-            (rows, inter // ACT_GROUP),
-            torch.float32,
-            align_up(act_q.numel()),
-        )
+        act = carve(workspace2, (rows, inter), output.dtype)
         cuda = hidden_states.is_cuda
         gated = grouped_gemm_fp8_gated if cuda else grouped_gemm_fp8_gated_reference
         gated(
@@ -114,10 +91,12 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             self.w13_scale,
             offsets,
             moe.activation,
-            act_q,
-            act_scale,
+            act,
         )
-        down = carve(workspace13, (rows, hidden), output.dtype)
+        act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
+        act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
+        quant_rows_fp8(act, act_q, act_scale)
+        down = carve(workspace2, (rows, hidden), output.dtype)
         gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
         gemm(act_q, act_scale, self.w2, self.w2_scale, offsets, down)
         moe_unpermute(output, down, topk_weights, inv, offsets)
