@@ -6,10 +6,12 @@ import torch
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
+    deinterleave_gate_up,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
+    interleave_gate_up,
 )
 
 POISON = -7.0
@@ -137,6 +139,16 @@ def test_gated_matches_reference(device, activation, tokens, topk, invalid):
     assert valid == tokens * topk - invalid
     torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
     assert bool((out[valid:] == POISON).all())
+
+
+def test_gate_up_interleaving(device):
+    w13 = torch.randn(3, 2 * 5, 4, device=device)
+    inter = interleave_gate_up(w13)
+    assert torch.equal(inter[:, 0::2], w13[:, :5])
+    assert torch.equal(inter[:, 1::2], w13[:, 5:])
+    assert torch.equal(deinterleave_gate_up(inter), w13)
+    scales = torch.randn(3, 10, device=device)
+    assert torch.equal(interleave_gate_up(scales)[:, 1::2], scales[:, 5:])
 
 
 def test_gated_zero_rows_and_fp16(device):

@@ -7,9 +7,10 @@ permute's ``expert_first_token_offset``).
 ``grouped_gemm_fp8_gated``: the first expert GEMM with the permute and the
 gated activation fused in. Row ``r`` reads its token's fp8 row straight from
 the unpermuted input (``src_routes[r] // topk``), so no permuted copy of the
-activations is written, and each program computes matching gate and up
-tiles and writes ``act(gate, up)``, so the [R, 2I] intermediate never
-reaches memory.
+activations is written. Its weights are w13 with the gate and up rows
+interleaved (``interleave_gate_up``), so one 2 x BLOCK_N wide product tile
+holds matching gate and up columns and the program writes ``act(gate, up)``:
+the [R, 2I] intermediate never reaches memory.
 
 One program computes one BLOCK_M-row tile of one expert (times one N tile).
 The grid is a static upper bound on the number of row tiles
@@ -151,46 +152,57 @@ def _grouped_gemm_fp8_gated_kernel(
     rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < row_end
     tokens = (tl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk).to(tl.int64)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
+    # One 2 * BLOCK_N wide tile of interleaved w13 rows: gate j, up j, ...
+    w_rows = n_tile * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+    w_ok = w_rows < 2 * inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tokens[:, None] * K + ks[None, :]
-    # w13[e] holds the gate rows, then the up rows.
-    gate_ptrs = (
+    w_ptrs = (
         w_ptr
         + expert.to(tl.int64) * 2 * inter * K
-        + cols[None, :].to(tl.int64) * K
+        + w_rows[None, :].to(tl.int64) * K
         + ks[:, None]
     )
-    up_ptrs = gate_ptrs + inter * K
 
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = k + ks < K
-        w_ok = k_ok[:, None] & col_ok[None, :]
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        gate = tl.dot(a, tl.load(gate_ptrs, mask=w_ok, other=0.0), gate)
-        up = tl.dot(a, tl.load(up_ptrs, mask=w_ok, other=0.0), up)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
 
-    a_scale = tl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)[:, None]
-    w_scales = w_scale_ptr + expert * 2 * inter + cols
-    gate *= a_scale * tl.load(w_scales, mask=col_ok, other=0.0)[None, :]
-    up *= a_scale * tl.load(w_scales + inter, mask=col_ok, other=0.0)[None, :]
+    a_scale = tl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptr + expert * 2 * inter + w_rows, mask=w_ok, other=0.0)
+    acc = acc * a_scale[:, None] * w_scale[None, :]
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     y = gated_act(gate, up, MODE, ALPHA, LIMIT)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
     out_ptrs = out_ptr + rows[:, None] * inter + cols[None, :]
     tl.store(
         out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
     )
 
 
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """[..., 2I, ...] gate rows then up rows -> rows gate 0, up 0, gate 1, ...
+    (dimension 1: w13 [E, 2I, K] or its scales [E, 2I])."""
+    e, n = w13.shape[:2]
+    return w13.view(e, 2, n // 2, *w13.shape[2:]).transpose(1, 2).reshape(w13.shape)
+
+
+def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`interleave_gate_up`, along dimension 1."""
+    e, n = w13.shape[:2]
+    return w13.view(e, n // 2, 2, *w13.shape[2:]).transpose(1, 2).reshape(w13.shape)
+
+
 @dataclass(frozen=True)
 class GroupedGemmConfig:
     block_m: int
-    block_n: int  # the gated GEMM: the width of its gate and of its up tile
+    block_n: int  # the gated GEMM: output columns (a 2 x block_n product tile)
     block_k: int
     num_warps: int
     num_stages: int
@@ -339,16 +351,17 @@ def grouped_gemm_fp8_gated(
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
-    """``out[r] = act(gate, up)`` where ``[gate | up] = (a[t] @ w13[e]^T) *
-    a_scale[t] * w13_scale[e]`` for each row ``r`` below
+    """``out[r] = act(gate, up)`` where ``[gate | up]`` is the deinterleaved
+    ``(a[t] @ w13[e]^T) * a_scale[t] * w13_scale[e]``, for each row ``r`` below
     ``expert_first_token_offset[-1]``, of expert ``e``, with
     ``t = src_routes[r] // topk``; returns ``out``.
 
     ``a`` [T, K] fp8 with per-token ``a_scale`` [T]; ``src_routes`` int32
     [R] (the permute's destination -> route index, each < T * topk);
-    ``w13`` [E, 2I, K] fp8 (gate rows, then up rows) with ``w13_scale``
-    [E, 2I]; ``out`` [R, I] bf16/fp16. Offsets and routes live on the device
-    and are not checked (no host sync, CUDA-graph capturable)."""
+    ``w13`` [E, 2I, K] fp8 with its gate and up rows interleaved
+    (:func:`interleave_gate_up`) and ``w13_scale`` [E, 2I] likewise;
+    ``out`` [R, I] bf16/fp16. Offsets and routes live on the device and are
+    not checked (no host sync, CUDA-graph capturable)."""
     _check_gated(
         a,
         a_scale,
@@ -440,7 +453,8 @@ def grouped_gemm_fp8_gated_reference(
         lo, hi = bounds[e], bounds[e + 1]
         if lo < hi:
             tokens = src_routes[lo:hi].long() // topk
-            gate_up = a[tokens].float() @ w13[e].float().t()
-            gate_up *= a_scale[tokens, None] * w13_scale[e]
+            product = a[tokens].float() @ w13[e].float().t()
+            product *= a_scale[tokens, None] * w13_scale[e]
+            gate_up = deinterleave_gate_up(product)
             out[lo:hi] = gated_act_reference(activation, gate_up).to(out.dtype)
     return out

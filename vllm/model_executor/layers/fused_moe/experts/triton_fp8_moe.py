@@ -1,7 +1,8 @@
 """FP8 w8a8 experts on this project's Triton grouped GEMMs, with the permute
 and the activation fused into GEMM1.
 
-Weights as :class:`CutlassExpertsFp8` (fp8, one scale per output channel).
+Weights as :class:`CutlassExpertsFp8` (fp8, one scale per output channel),
+with w13's gate and up rows interleaved for GEMM1.
 Pipeline, with no permuted copy of the activations and no [R, 2I]
 intermediate in memory:
 
@@ -22,12 +23,15 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    deinterleave_gate_up,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
+    interleave_gate_up,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
     Fp8ChannelExperts,
 )
@@ -41,6 +45,23 @@ from vllm.v1.worker.workspace import align_up
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> None:
+        super().__init__(moe, w13, w13_scale, w2, w2_scale)
+        # GEMM1 takes its gate and up rows interleaved (one product tile).
+        self.w13 = interleave_gate_up(self.w13)
+        self.w13_scale = interleave_gate_up(self.w13_scale)
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = super().dequantized_weights()
+        return deinterleave_gate_up(w13), w2
+
     def workspace_shapes(
         self,
         M: int,
