@@ -218,10 +218,11 @@ def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
 
 
 def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
-    """Gate and up tiles of 128 columns each (a 256-wide tile), the fastest
-    checked on the H200 (benchmark_grouped_gemm_fp8 --sweep)."""
+    """The fastest checked on the H200 (benchmark_grouped_gemm_fp8 --sweep):
+    64 x 128 product tiles for short row groups, 128 x 256 from 64 rows per
+    expert on."""
     if rows <= 64 * num_experts:
-        return GroupedGemmConfig(64, 128, 128, 4, 4)
+        return GroupedGemmConfig(64, 64, 128, 4, 4)
     return GroupedGemmConfig(128, 128, 128, 8, 3)
 
 
