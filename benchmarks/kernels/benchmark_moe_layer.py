@@ -13,6 +13,8 @@ of the same routing:
   alternative a user would pick, for every bf16 and FP8 per-token layer.
 
 Humming and Marlin layers run their own GEMMs and have no share.
+``--breakdown`` also profiles each layer at the largest token count and
+prints the device time per kernel (where the time outside the GEMMs goes).
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
 """
@@ -95,7 +97,32 @@ def humming_available() -> bool:
     return torch.cuda.is_available()
 
 
-def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
+def kernel_breakdown(
+    step: Callable[[int], None], iters: int
+) -> list[tuple[str, float]]:
+    """Device microseconds per layer call of each kernel, slowest first
+    (eager calls under the profiler, after the graph timing warmed up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for it in range(iters):
+            step(it)
+        torch.cuda.synchronize()
+    times = [
+        (e.key, e.self_device_time_total / iters)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    return sorted(times, key=lambda kv: -kv[1])
+
+
+def bench(
+    label: str,
+    tokens: int,
+    moe: FusedMoEConfig,
+    device: torch.device,
+    breakdowns: dict[str, list[tuple[str, float]]] | None = None,
+) -> Row:
     cuda = device.type == "cuda"
     e, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
     w13 = (torch.randn(e, 2 * i, k, device=device) / k**0.5).to(moe.in_dtype)
@@ -123,6 +150,8 @@ def bench(label: str, tokens: int, moe: FusedMoEConfig, device) -> Row:
         (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))
     )
     layer_us = timer(layer_step)
+    if breakdowns is not None and cuda:
+        breakdowns[f"{label} @ {tokens}"] = kernel_breakdown(layer_step, iters)
     flops = 6 * tokens * moe.experts_per_token * k * i
 
     # The GEMMs alone, on data of the same routing: the layer's own (for the
@@ -204,6 +233,11 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--intermediate-size", type=int, default=768)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also profile each layer at the largest token count: time per kernel",
+    )
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -223,6 +257,7 @@ def main() -> None:
     reset_workspace_manager()
     init_workspace_manager(device)
     rows: list[Row] = []
+    breakdowns: dict[str, list[tuple[str, float]]] = {}
     for label in tqdm(backends, desc="backends"):
         moe = FusedMoEConfig(
             num_experts=dims[0],
@@ -231,7 +266,16 @@ def main() -> None:
             intermediate_size=dims[3],
             quant_config=FusedMoEQuantConfig(BACKENDS[label][1]),
         )
-        rows.extend(bench(label, t, moe, device) for t in tokens)
+        rows.extend(
+            bench(
+                label,
+                t,
+                moe,
+                device,
+                breakdowns if args.breakdown and t == max(tokens) else None,
+            )
+            for t in tokens
+        )
     reset_workspace_manager()
 
     name = torch.cuda.get_device_name() if cuda else "CPU (reference loops)"
@@ -258,7 +302,12 @@ def main() -> None:
             f"{100 * r.peak_fraction:>6.0f}% | {gemms:>12} {share:>12} | "
             f"{torch_gemms:>14}"
         )
-    write_results(args.output_json, name, rows)
+    for layer, kernels in breakdowns.items():
+        total = sum(us for _, us in kernels)
+        print(f"\n{layer} tokens: {total:.1f} us of kernels per call")
+        for kernel_name, us in kernels:
+            print(f"  {us:>8.1f} us {100 * us / total:>4.0f}%  {kernel_name[:90]}")
+    write_results(args.output_json, name, rows, kernel_breakdown=breakdowns)
 
 
 if __name__ == "__main__":
