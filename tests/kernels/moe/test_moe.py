@@ -152,20 +152,38 @@ def test_backend_gpu(workspace_init, backend, tokens, topk, ep_size):
     check_backend(backend, tokens, topk, ep_size, "cuda")
 
 
-def test_swiglu_activation(workspace_init, device):
+@pytest.mark.parametrize("backend", list(SCHEMES))
+def test_swiglu_activation(workspace_init, device, backend):
     torch.manual_seed(0)
-    moe = moe_config(device, activation="swiglu", experts_per_token=2)
-    w13, w2 = random_weights(moe, device)
-    kernel = FusedMoEModularKernel(
-        MoEPrepareAndFinalizeNoEP(), GroupedMMExperts(moe, w13, w2)
+    moe = moe_config(
+        device, scheme=SCHEMES[backend], activation="swiglu", experts_per_token=2
     )
+    w13, w2 = random_weights(moe, device)
+    experts = make_experts(moe, w13, w2, backend)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     hidden = torch.randn(9, moe.hidden_size, device=device, dtype=moe.in_dtype) * 4
     topk_weights, topk_ids = fused_topk(
         hidden, torch.randn(9, moe.num_experts, device=device), 2, True
     )
     out = kernel.forward(hidden, topk_weights, topk_ids)
-    ref = torch_moe_reference(hidden, w13, w2, topk_weights, topk_ids, None, "swiglu")
-    assert relative_error(out, ref) < 2e-2
+    dq13, dq2 = dequantized(experts, w13, w2)
+    ref = torch_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, None, "swiglu")
+    assert relative_error(out, ref) < TOLERANCE[backend]
+
+
+@pytest.mark.parametrize("backend", list(SCHEMES))
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_zero_tokens(workspace_init, device, backend, ep_size):
+    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=2)
+    w13, w2 = random_weights(moe, device)
+    experts = make_experts(moe, w13, w2, backend)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+    hidden = torch.empty(0, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    topk_weights, topk_ids = fused_topk(
+        hidden, torch.empty(0, moe.num_experts, device=device), 2, True
+    )
+    out = kernel.forward(hidden, topk_weights, topk_ids, moe.make_expert_map(device))
+    assert out.shape == (0, moe.hidden_size) and out.dtype == moe.in_dtype
 
 
 def test_fused_topk(device):

@@ -134,8 +134,9 @@ def test_gated_matches_reference(device, activation, tokens, topk, invalid):
     K steps (K=72 too); routes past the offsets' end are never written."""
     torch.manual_seed(tokens + topk)
     inputs = gated_problem(tokens, topk, 4, 80, 72, device, invalid)
-    out, ref = run_gated(inputs, activation, GroupedGemmConfig(16, 32, 32, 4, 1))
     valid = int(inputs[-1][-1])
+    inputs[2][valid:] = 2**30  # routes past the offsets' end are never read
+    out, ref = run_gated(inputs, activation, GroupedGemmConfig(16, 32, 32, 4, 1))
     assert valid == tokens * topk - invalid
     torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
     assert bool((out[valid:] == POISON).all())
@@ -148,6 +149,7 @@ def test_gate_up_interleaving(device):
     assert torch.equal(inter[:, 1::2], w13[:, 5:])
     assert torch.equal(deinterleave_gate_up(inter), w13)
     scales = torch.randn(3, 10, device=device)
+    assert torch.equal(interleave_gate_up(scales)[:, 0::2], scales[:, :5])
     assert torch.equal(interleave_gate_up(scales)[:, 1::2], scales[:, 5:])
 
 
@@ -167,36 +169,60 @@ def test_gated_zero_rows_and_fp16(device):
     [
         (lambda t: t.update(w13=t["w13"][:, :-1]), r"w13: expected \[E, 2 \* I, K\]"),
         (lambda t: t.update(src_routes=t["src_routes"].long()), "src_routes: expected"),
+        (lambda t: t.update(a=t["a"].float()), "a: expected contiguous"),
+        (lambda t: t.update(a=t["a"][:, :-16]), "a: expected contiguous"),
         (lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale: expected"),
+        (lambda t: t.update(w13_scale=t["w13_scale"][:1]), "w13_scale: expected"),
+        (
+            lambda t: t.update(offsets=t["offsets"].int()),
+            "expert_first_token_offset: expected",
+        ),
         (lambda t: t.update(out=t["out"].float()), "out: expected a bfloat16"),
+        (lambda t: t.update(out=t["out"][0]), "out: expected a bfloat16"),
         (lambda t: t.update(out=t["out"][:, :-1]), "out: expected contiguous"),
         (lambda t: t.update(activation="gelu"), "activation: expected"),
         (lambda t: t.update(topk=0), "topk: expected"),
     ],
-    ids=["w13", "src_routes", "a_scale", "out-dtype", "out-cols", "act", "topk"],
+    ids=[
+        "w13",
+        "src_routes",
+        "a-dtype",
+        "a-k",
+        "a_scale",
+        "w13_scale",
+        "offsets",
+        "out-dtype",
+        "out-rank",
+        "out-cols",
+        "act",
+        "topk",
+    ],
 )
 def test_gated_bad_input_names_the_argument(device, change, message):
     a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
         3, 2, 2, 32, 32, device
     )
     t: dict[str, Any] = {
+        "a": a,
         "a_scale": a_scale,
         "src_routes": src_routes,
         "topk": topk,
         "w13": w13,
+        "w13_scale": w13_scale,
+        "offsets": offsets,
         "activation": "silu",
         "out": torch.empty(6, 32, device=device, dtype=torch.bfloat16),
     }
     change(t)
     with pytest.raises(ValueError, match=message):
         grouped_gemm_fp8_gated(
-            a,
+            t["a"],
             t["a_scale"],
             t["src_routes"],
             t["topk"],
             t["w13"],
-            w13_scale,
-            offsets,
+            t["w13_scale"],
+            t["offsets"],
             t["activation"],
             t["out"],
         )

@@ -6,6 +6,8 @@ path adds an amax, a division and a cast. Here one program handles one row:
 pass 1 computes the activation in fp32 and its absolute maximum, pass 2
 recomputes it, scales and stores it (the row is re-read from L2, not HBM).
 The same kernel quantizes plain rows (``activation=None``) before dispatch.
+``gated_act`` is the activation itself, shared with GEMM epilogues, and
+``gated_act_reference`` its plain-PyTorch oracle.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def _expert_tile(
     ends = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
     tiles = tl.cdiv(ends - starts, BLOCK_M)
     tiles_end = tl.cumsum(tiles, 0)
-    # The first expert whose tile range ends after m_tile (num_experts past
-    # the last tile: every sum below is then 0, so the range is empty).
+    # The first expert whose tile range ends after m_tile (>= num_experts
+    # past the last tile: every sum below is then 0, so the range is empty).
     expert = tl.sum((tiles_end <= m_tile).to(tl.int32))
     mine = experts == expert
     first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
@@ -361,8 +361,9 @@ def grouped_gemm_fp8_gated(
     [R] (the permute's destination -> route index, each < T * topk);
     ``w13`` [E, 2I, K] fp8 with its gate and up rows interleaved
     (:func:`interleave_gate_up`) and ``w13_scale`` [E, 2I] likewise;
-    ``out`` [R, I] bf16/fp16. Offsets and routes live on the device and are
-    not checked (no host sync, CUDA-graph capturable)."""
+    ``out`` [R, I] bf16/fp16. The offsets (int64 [E + 1]) must ascend from
+    0 to at most R; offsets and routes live on the device and are not checked
+    (no host sync, CUDA-graph capturable)."""
     _check_gated(
         a,
         a_scale,

@@ -6,7 +6,7 @@ then the fp8 rows and their scales are permuted into workspace2; after GEMM1
 one fused pass applies the gated activation and re-quantizes it per row into
 workspace13 (free again by then). Both GEMM outputs are allocated by torch:
 ``_scaled_grouped_mm`` has no ``out=`` variant, so they cannot live in the
-workspaces (see :class:`TritonExpertsFp8` for a pipeline whose do).
+workspaces (:class:`TritonExpertsFp8` keeps its GEMM outputs there).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """FP8 w8a8 experts' weights: fp8 e4m3 with one scale per output channel.
 
-The base of the FP8 per-token backends, which differ only in their pipeline
-(``workspace_shapes`` and ``apply``).
+The base of the FP8 per-token backends, which differ in their pipeline
+(``workspace_shapes`` and ``apply``) and may re-lay the weights out for their
+kernels (then overriding ``dequantized_weights``).
 """
 
 from __future__ import annotations

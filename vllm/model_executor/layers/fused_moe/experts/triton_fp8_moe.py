@@ -76,7 +76,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         # then of the R activation rows.
         workspace13 = max(align_up(M * K) + M * 4, align_up(rows * inter) + rows * 4)
         # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
-        workspace2 = max(rows * inter, rows * K) * 2
+        workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
 
     def apply(
@@ -116,6 +116,8 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         )
         act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
         act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
+        # Rows past offsets[-1] (non-local routes) hold stale data: they are
+        # quantized too (their count is on the device) and never read again.
         quant_rows_fp8(act, act_q, act_scale)
         down = carve(workspace2, (rows, hidden), output.dtype)
         gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
