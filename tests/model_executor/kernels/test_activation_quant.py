@@ -20,7 +20,7 @@ def reference(x: torch.Tensor, activation: str | None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("activation", [None, "silu", "swiglu"])
-@pytest.mark.parametrize("rows,cols", [(0, 32), (1, 48), (5, 37), (3, 2500)])
+@pytest.mark.parametrize("rows,cols", [(0, 32), (1, 48), (5, 37), (70, 48), (3, 2500)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_activation_only(device, activation, rows, cols, dtype):
     torch.manual_seed(rows * cols)

@@ -2,9 +2,10 @@
 
 Between the two expert GEMMs the activation reads [R, 2I] and writes [R, I];
 done in plain PyTorch it is several kernels and fp32 temporaries, and the FP8
-path adds an amax, a division and a cast. Here one program handles one row:
-pass 1 computes the activation in fp32 and its absolute maximum, pass 2
-recomputes it, scales and stores it (the row is re-read from L2, not HBM).
+path adds an amax, a division and a cast. Here one program handles a few
+rows: a row that fits one block is loaded once and quantized in registers;
+a longer one takes two passes (the activation and its absolute maximum, then
+recomputed, scaled and stored: the row is re-read from L2, not HBM).
 The same kernel quantizes plain rows (``activation=None``) before dispatch.
 ``gated_act`` is the activation itself, shared with GEMM epilogues, and
 ``gated_act_reference`` its plain-PyTorch oracle.
@@ -52,6 +53,7 @@ def _act_quant_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
+    rows,
     cols,
     stride_x,
     stride_out,
@@ -61,28 +63,40 @@ def _act_quant_kernel(
     LIMIT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
-    offs = tl.arange(0, BLOCK)
-    inv_scale = 1.0
-    if QUANT:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, cols, BLOCK):
-            mask = start + offs < cols
-            y = _act(x_row + start + offs, mask, cols, MODE, ALPHA, LIMIT)
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(y), 0.0))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_SCALE) / FP8_MAX
-        tl.store(scale_ptr + row, scale)
-        inv_scale = 1.0 / scale
-    for start in range(0, cols, BLOCK):
-        mask = start + offs < cols
-        y = _act(x_row + start + offs, mask, cols, MODE, ALPHA, LIMIT)
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = row < rows
+    x_rows = x_ptr + row[:, None] * stride_x
+    out_rows = out_ptr + row[:, None] * stride_out
+    offs = tl.arange(0, BLOCK)[None, :]
+    if cols <= BLOCK:  # one block per row: a single pass over registers
+        mask = row_ok[:, None] & (offs < cols)
+        y = _act(x_rows + offs, mask, cols, MODE, ALPHA, LIMIT)
         if QUANT:
-            y = tl.minimum(tl.maximum(y * inv_scale, -FP8_MAX), FP8_MAX)
-        tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+            scale = tl.maximum(amax, MIN_SCALE) / FP8_MAX
+            tl.store(scale_ptr + row, scale, mask=row_ok)
+            y = tl.clamp(y * (1.0 / scale)[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(out_rows + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        return
+    inv_scale = tl.full([BLOCK_R, 1], 1.0, tl.float32)
+    if QUANT:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = row_ok[:, None] & (start + offs < cols)
+            y = _act(x_rows + start + offs, mask, cols, MODE, ALPHA, LIMIT)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1))
+        scale = tl.maximum(amax, MIN_SCALE) / FP8_MAX
+        tl.store(scale_ptr + row, scale, mask=row_ok)
+        inv_scale = (1.0 / scale)[:, None]
+    for start in range(0, cols, BLOCK):
+        mask = row_ok[:, None] & (start + offs < cols)
+        y = _act(x_rows + start + offs, mask, cols, MODE, ALPHA, LIMIT)
+        if QUANT:
+            y = tl.clamp(y * inv_scale, -FP8_MAX, FP8_MAX)
+        tl.store(out_rows + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_and_quant(
@@ -129,10 +143,13 @@ def act_and_quant(
     if rows == 0:
         return
     block = min(triton.next_power_of_2(max(cols, 16)), 2048)
-    _act_quant_kernel[(rows,)](
+    # Several short rows per program: ~4096 elements each.
+    block_rows = max(1, 4096 // block)
+    _act_quant_kernel[(triton.cdiv(rows, block_rows),)](
         x,
         out,
         out_scale if quant else out,
+        rows,
         cols,
         x.stride(0),
         out.stride(0),
@@ -142,8 +159,9 @@ def act_and_quant(
         LIMIT=SWIGLU_LIMIT,
         FP8_MAX=FP8_MAX,
         MIN_SCALE=MIN_SCALE,
+        BLOCK_R=block_rows,
         BLOCK=block,
-        num_warps=4 if block <= 1024 else 8,
+        num_warps=8,
     )
 
 
