@@ -58,7 +58,7 @@ def run_both(
         (64, 128, None),  # the launcher's tiles
         (96, 80, None),
         # Small tiles: several N tiles and K steps, partial last ones.
-        (80, 72, GroupedGemmConfig(16, 32, 32, 4, 1)),
+        (80, 48, GroupedGemmConfig(16, 32, 32, 4, 1)),
     ],
     ids=["default-tiles", "partial-k", "small-tiles"],
 )
@@ -130,10 +130,10 @@ def run_gated(
     "tokens,topk,invalid", [(1, 1, 0), (13, 2, 0), (40, 3, 7)], ids=str
 )
 def test_gated_matches_reference(device, activation, tokens, topk, invalid):
-    """Small tiles: several gate/up tiles (I=80 ends in a partial one) and
-    K steps (K=72 too); routes past the offsets' end are never written."""
+    """Small tiles: several gate/up tiles and K steps (I=80 and K=48 end in
+    partial ones); routes past the offsets' end are never written."""
     torch.manual_seed(tokens + topk)
-    inputs = gated_problem(tokens, topk, 4, 80, 72, device, invalid)
+    inputs = gated_problem(tokens, topk, 4, 80, 48, device, invalid)
     valid = int(inputs[-1][-1])
     inputs[2][valid:] = 2**30  # routes past the offsets' end are never read
     out, ref = run_gated(inputs, activation, GroupedGemmConfig(16, 32, 32, 4, 1))
@@ -303,4 +303,37 @@ def test_bad_input_names_the_argument(device, change, message):
             tensors["w_scale"],
             tensors["offsets"],
             tensors["out"],
+        )
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` starting 8 bytes past an aligned address."""
+    flat = torch.empty(t.numel() + 8, dtype=torch.uint8, device=t.device)
+    out = flat[8:].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def test_tma_operands_must_be_16_byte_aligned(device):
+    a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 40, device)
+    out = torch.empty(a.shape[0], 32, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a: expected a 16-byte aligned .* K=40"):
+        grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out)
+    a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 32, device)
+    with pytest.raises(ValueError, match=r"w: expected a 16-byte aligned .* K=32"):
+        grouped_gemm_fp8(a, a_scale, _misaligned(w), w_scale, offsets, out)
+    a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
+        3, 2, 2, 32, 32, device
+    )
+    with pytest.raises(ValueError, match="w13: expected a 16-byte aligned"):
+        grouped_gemm_fp8_gated(
+            a,
+            a_scale,
+            src_routes,
+            topk,
+            _misaligned(w13),
+            w13_scale,
+            offsets,
+            "silu",
+            torch.empty(6, 32, device=device, dtype=torch.bfloat16),
         )

@@ -12,12 +12,14 @@ interleaved (``interleave_gate_up``), so one 2 x BLOCK_N wide product tile
 holds matching gate and up columns and the program writes ``act(gate, up)``:
 the [R, 2I] intermediate never reaches memory.
 
-One program computes one BLOCK_M-row tile of one expert (times one N tile).
-The grid is a static upper bound on the number of row tiles
-(``cdiv(R, BLOCK_M) + min(E, R)``), so it never depends on the routing and a
-launch can be captured in a CUDA graph; each program finds its expert by a
-prefix sum of the per-expert tile counts and surplus programs exit. Rows at
-or past ``offsets[E]`` are not written.
+Both kernels are persistent: at most one program per SM walks the (row
+tile, N tile) pairs, and a flattened loop overlaps one tile's epilogue with
+the next tile's loads. The weights (and ``grouped_gemm_fp8``'s A rows)
+arrive through TMA boxes. The grid depends only on the number of rows,
+never on the routing, so a launch can be captured in a CUDA graph: each
+program reads the offsets once and finds the tile count and each tile's
+expert by a prefix sum of the per-expert tile counts. Rows at or past
+``offsets[E]`` are not written.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm.model_executor.kernels.activation_quant import (
     MODES,
@@ -36,26 +39,39 @@ from vllm.model_executor.kernels.activation_quant import (
     gated_act_reference,
 )
 from vllm.model_executor.kernels.checks import check_contiguous
+from vllm.model_executor.kernels.device_info import num_sms
 
 FP8_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
-def _expert_tile(
-    offsets_ptr, num_experts, m_tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
+def _expert_tiles(
+    offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 ):
-    """(expert, first row, row end) of row tile ``m_tile``; an empty range
-    (first row >= row end) past the last tile."""
+    """Per-expert row ranges and row-tile counts (loaded once per program):
+    (starts, ends, tiles, tiles_end = inclusive prefix sum of tiles)."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    starts = tl.load(offsets_ptr + experts, mask=valid, other=0)
-    ends = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
+    starts = tl.load(offsets_ptr + experts, mask=valid, other=0).to(tl.int32)
+    ends = tl.load(offsets_ptr + experts + 1, mask=valid, other=0).to(tl.int32)
     tiles = tl.cdiv(ends - starts, BLOCK_M)
-    tiles_end = tl.cumsum(tiles, 0)
-    # The first expert whose tile range ends after m_tile (>= num_experts
-    # past the last tile: every sum below is then 0, so the range is empty).
+    return starts, ends, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _expert_tile(
+    starts,
+    ends,
+    tiles,
+    tiles_end,
+    m_tile,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """(expert, first row, row end) of row tile ``m_tile`` < the tile count."""
+    # The first expert whose tile range ends after m_tile.
     expert = tl.sum((tiles_end <= m_tile).to(tl.int32))
-    mine = experts == expert
+    mine = tl.arange(0, BLOCK_E) == expert
     first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
     row_end = tl.sum(tl.where(mine, ends, 0))
     row_start = tl.sum(tl.where(mine, starts, 0)) + (m_tile - first_tile) * BLOCK_M
@@ -64,58 +80,57 @@ def _expert_tile(
 
 @triton.jit
 def _grouped_gemm_fp8_kernel(
-    a_ptr,
+    a_desc,
     a_scale_ptr,
-    w_ptr,
+    w_desc,
     w_scale_ptr,
     offsets_ptr,
     out_ptr,
     N,
     K,
     num_experts,
+    NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_M, BLOCK_E
+    )
     n_tiles = tl.cdiv(N, BLOCK_N)
-    # N tiles vary fastest: neighbours share the A rows and the expert's weights.
-    m_tile = pid // n_tiles
-    n_tile = pid % n_tiles
-    expert, row_start, row_end = _expert_tile(
-        offsets_ptr, num_experts, m_tile, BLOCK_M, BLOCK_E
-    )
-    if row_start >= row_end:
-        return
+    # Persistent: the flattened loop overlaps a tile's epilogue with the next
+    # tile's loads. N tiles vary fastest: neighbours share the A rows and the
+    # expert's weights in L2.
+    for tile in tl.range(
+        tl.program_id(0), tl.sum(tiles) * n_tiles, NUM_PROGRAMS, flatten=True
+    ):
+        m_tile = tile // n_tiles
+        n_tile = tile % n_tiles
+        expert, row_start, row_end = _expert_tile(
+            starts, ends, tiles, tiles_end, m_tile, BLOCK_M, BLOCK_E
+        )
+        # TMA boxes: rows past the expert's end (the next expert's, or zeros
+        # past R) and weight rows past N only feed outputs that are not stored.
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = a_desc.load([row_start, k])
+            w = w_desc.load([expert * N + n_tile * BLOCK_N, k])
+            acc = tl.dot(a, w.T, acc)
 
-    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * K + ks[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * N * K
-    w_ptrs = w_base + cols[None, :].to(tl.int64) * K + ks[:, None]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = k + ks < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
-    a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
-    w_scale = tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
-    acc = acc * a_scale[:, None] * w_scale[None, :]
-    out_ptrs = out_ptr + rows[:, None] * N + cols[None, :]
-    tl.store(
-        out_ptrs,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        col_ok = cols < N
+        a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(
+            out_ptrs,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
 
 
 @triton.jit
@@ -123,7 +138,7 @@ def _grouped_gemm_fp8_gated_kernel(
     a_ptr,
     a_scale_ptr,
     src_routes_ptr,
-    w_ptr,
+    w_desc,
     w_scale_ptr,
     offsets_ptr,
     out_ptr,
@@ -134,56 +149,55 @@ def _grouped_gemm_fp8_gated_kernel(
     MODE: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_M, BLOCK_E
+    )
     n_tiles = tl.cdiv(inter, BLOCK_N)
-    m_tile = pid // n_tiles
-    n_tile = pid % n_tiles
-    expert, row_start, row_end = _expert_tile(
-        offsets_ptr, num_experts, m_tile, BLOCK_M, BLOCK_E
-    )
-    if row_start >= row_end:
-        return
-
-    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < row_end
-    tokens = (tl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk).to(tl.int64)
-    # One 2 * BLOCK_N wide tile of interleaved w13 rows: gate j, up j, ...
-    w_rows = n_tile * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    w_ok = w_rows < 2 * inter
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + tokens[:, None] * K + ks[None, :]
-    w_ptrs = (
-        w_ptr
-        + expert.to(tl.int64) * 2 * inter * K
-        + w_rows[None, :].to(tl.int64) * K
-        + ks[:, None]
-    )
+    for tile in tl.range(
+        tl.program_id(0), tl.sum(tiles) * n_tiles, NUM_PROGRAMS, flatten=True
+    ):
+        m_tile = tile // n_tiles
+        n_tile = tile % n_tiles
+        expert, row_start, row_end = _expert_tile(
+            starts, ends, tiles, tiles_end, m_tile, BLOCK_M, BLOCK_E
+        )
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        tokens = tl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
+        a_ptrs = a_ptr + tokens[:, None].to(tl.int64) * K + ks[None, :]
+        # One 2 * BLOCK_N wide TMA box of interleaved w13 rows: gate j, up j, ...
+        w_row = expert * 2 * inter + n_tile * 2 * BLOCK_N
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = tl.load(
+                a_ptrs + k, mask=row_ok[:, None] & (k + ks < K)[None, :], other=0.0
+            )
+            w = w_desc.load([w_row, k])
+            acc = tl.dot(a, w.T, acc)
 
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = k + ks < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
-    a_scale = tl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
-    w_scale = tl.load(w_scale_ptr + expert * 2 * inter + w_rows, mask=w_ok, other=0.0)
-    acc = acc * a_scale[:, None] * w_scale[None, :]
-    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    y = gated_act(gate, up, MODE, ALPHA, LIMIT)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    out_ptrs = out_ptr + rows[:, None] * inter + cols[None, :]
-    tl.store(
-        out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
-    )
+        w_rows = n_tile * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        w_ok = w_rows < 2 * inter
+        a_scale = tl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
+        w_scale = tl.load(
+            w_scale_ptr + expert * 2 * inter + w_rows, mask=w_ok, other=0.0
+        )
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        y = gated_act(gate, up, MODE, ALPHA, LIMIT)
+        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :]
+        tl.store(
+            out_ptrs,
+            y.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (cols < inter)[None, :],
+        )
 
 
 def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
@@ -211,24 +225,36 @@ class GroupedGemmConfig:
 def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     """The fastest checked tiles on the H200 (benchmark_grouped_gemm_fp8
     --sweep): short row groups waste less of a 64-row tile; from 64 rows per
-    expert on, wide 128x256 tiles halve the A re-reads."""
+    expert on, 128 x 256 tiles halve the A re-reads."""
     if rows <= 64 * num_experts:
-        return GroupedGemmConfig(64, 128, 128, 4, 4)
-    return GroupedGemmConfig(128, 256, 128, 8, 3)
+        return GroupedGemmConfig(64, 256, 128, 4, 4)
+    return GroupedGemmConfig(128, 256, 128, 8, 4)
 
 
 def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     """The fastest checked on the H200 (benchmark_grouped_gemm_fp8 --sweep):
-    64 x 128 product tiles for short row groups, 128 x 256 from 64 rows per
-    expert on."""
-    if rows <= 64 * num_experts:
-        return GroupedGemmConfig(64, 64, 128, 4, 4)
-    return GroupedGemmConfig(128, 128, 128, 8, 3)
+    64 x 256 product tiles for a few rows per expert, 128 x 256 from 32 on."""
+    if rows <= 32 * num_experts:
+        return GroupedGemmConfig(64, 128, 128, 4, 4)
+    return GroupedGemmConfig(128, 128, 128, 8, 4)
 
 
-def _row_tiles(rows: int, num_experts: int, block_m: int) -> int:
-    # At most min(E, R) experts have rows, each with one partial tile.
-    return triton.cdiv(rows, block_m) + min(num_experts, rows)
+def _num_programs(
+    device: torch.device, rows: int, num_experts: int, block_m: int, n_tiles: int
+) -> int:
+    # Persistent: one program per SM at most, none without a tile. At most
+    # min(E, R) experts have rows, each with one partial row tile.
+    row_tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
+    return min(num_sms(device), row_tiles * n_tiles)
+
+
+def _check_tma(name: str, t: torch.Tensor) -> None:
+    """TMA boxes need 16-byte aligned rows (fp8: K a multiple of 16)."""
+    if t.shape[-1] % 16 or t.data_ptr() % 16:
+        raise ValueError(
+            f"{name}: expected a 16-byte aligned start and K a multiple of 16 "
+            f"(TMA), got K={t.shape[-1]} at data_ptr {t.data_ptr():#x}"
+        )
 
 
 def _check(
@@ -256,6 +282,8 @@ def _check(
         ("out", out, out.dtype, [rows, n]),
     ):
         check_contiguous(name, tensor, dtype, shape, w.device)
+    _check_tma("a", a)
+    _check_tma("w", w)
 
 
 def grouped_gemm_fp8(
@@ -278,20 +306,22 @@ def grouped_gemm_fp8(
     if a.shape[0] == 0:
         return out
     num_experts, n, k = w.shape
-    cfg = config or default_config(a.shape[0], num_experts)
-    grid = (
-        _row_tiles(a.shape[0], num_experts, cfg.block_m) * triton.cdiv(n, cfg.block_n),
+    rows = a.shape[0]
+    cfg = config or default_config(rows, num_experts)
+    programs = _num_programs(
+        a.device, rows, num_experts, cfg.block_m, triton.cdiv(n, cfg.block_n)
     )
-    _grouped_gemm_fp8_kernel[grid](
-        a,
+    _grouped_gemm_fp8_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
         a_scale,
-        w,
+        TensorDescriptor.from_tensor(w.view(-1, k), [cfg.block_n, cfg.block_k]),
         w_scale,
         expert_first_token_offset,
         out,
         n,
         k,
         num_experts,
+        NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -338,6 +368,7 @@ def _check_gated(
         ("out", out, out.dtype, [rows, n // 2]),
     ):
         check_contiguous(name, tensor, dtype, shape, w13.device)
+    _check_tma("w13", w13)
 
 
 def grouped_gemm_fp8_gated(
@@ -380,14 +411,14 @@ def grouped_gemm_fp8_gated(
         return out
     num_experts, _, k = w13.shape
     cfg = config or default_gated_config(rows, num_experts)
-    grid = (
-        _row_tiles(rows, num_experts, cfg.block_m) * triton.cdiv(inter, cfg.block_n),
+    programs = _num_programs(
+        a.device, rows, num_experts, cfg.block_m, triton.cdiv(inter, cfg.block_n)
     )
-    _grouped_gemm_fp8_gated_kernel[grid](
+    _grouped_gemm_fp8_gated_kernel[(programs,)](
         a,
         a_scale,
         src_routes,
-        w13,
+        TensorDescriptor.from_tensor(w13.view(-1, k), [2 * cfg.block_n, cfg.block_k]),
         w13_scale,
         expert_first_token_offset,
         out,
@@ -398,6 +429,7 @@ def grouped_gemm_fp8_gated(
         MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
+        NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

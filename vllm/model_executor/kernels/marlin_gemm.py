@@ -28,13 +28,13 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.checks import check_contiguous
+from vllm.model_executor.kernels.device_info import num_sms
 
 PACK = 8  # nibbles per int32 word
 TILE_K = 128  # K step of the kernel; K and group sizes are multiples of it
 MAX_TILES_PER_SM = 4  # lock counters per SM in the workspace
 _REGS_PER_SM = 65536
 _SMEM_PER_SM = 228 * 1024
-_CPU_SMS = 8  # program-count bound under TRITON_INTERPRET (no SMs on CPU)
 MAX_GROUPED_EXPERTS = 1024  # experts per grouped call: one register vector
 
 
@@ -368,25 +368,13 @@ class MarlinConfig:
     group_n: int = 8
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _CPU_SMS
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_sms(index)
-
-
-@functools.cache  # host time per GEMM call matters; SM counts never change
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def marlin_workspace_numel(device: torch.device | str) -> int:
     """Int32 lock counters the kernel may use at most on ``device``.
 
     The caller allocates them zeroed once (e.g. ``torch.zeros(n,
     dtype=torch.int32)``); every call leaves them zero again.
     """
-    return _num_sms(torch.device(device)) * MAX_TILES_PER_SM
+    return num_sms(torch.device(device)) * MAX_TILES_PER_SM
 
 
 def _resident_programs(cfg: MarlinConfig, device: torch.device) -> int:
@@ -396,7 +384,7 @@ def _resident_programs(cfg: MarlinConfig, device: torch.device) -> int:
     # Pipeline stages plus room for a dequantized tile and the output tile.
     scratch = cfg.block_n * TILE_K * 2 + cfg.block_n * cfg.block_m * 4
     by_smem = _SMEM_PER_SM // (cfg.num_stages * stage_bytes + scratch)
-    return _num_sms(device) * max(1, min(by_regs, by_smem, MAX_TILES_PER_SM))
+    return num_sms(device) * max(1, min(by_regs, by_smem, MAX_TILES_PER_SM))
 
 
 def _tile_for_m(m: int) -> tuple[int, int, int, int, int]:

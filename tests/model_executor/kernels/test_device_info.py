@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+from vllm.model_executor.kernels.device_info import CPU_SMS, num_sms
+
+
+def test_cpu_has_the_interpreter_bound():
+    assert num_sms(torch.device("cpu")) == CPU_SMS
+
+
+@pytest.mark.gpu
+def test_cuda_matches_the_device_properties():
+    props = torch.cuda.get_device_properties(0)
+    assert num_sms(torch.device("cuda", 0)) == props.multi_processor_count
+    assert num_sms(torch.device("cuda")) == props.multi_processor_count

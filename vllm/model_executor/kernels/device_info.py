@@ -1,0 +1,24 @@
+"""Device facts the kernel launchers size their grids by."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Program-count bound under TRITON_INTERPRET (no SMs on CPU): small, so that
+# CPU tests still give each persistent program several tiles.
+CPU_SMS = 8
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``CPU_SMS`` off CUDA)."""
+    if device.type != "cuda":
+        return CPU_SMS
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_sms(index)
+
+
+@functools.cache  # host time per GEMM call matters; SM counts never change
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
