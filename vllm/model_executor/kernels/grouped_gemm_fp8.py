@@ -233,7 +233,11 @@ def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
 
 def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     """The fastest checked on the H200 (benchmark_grouped_gemm_fp8 --sweep):
-    64 x 256 product tiles for a few rows per expert, 128 x 256 from 32 on."""
+    below a row per expert (decode) 64 x 128 product tiles spread the weight
+    reads over more SMs; 64 x 256 for a few rows per expert, 128 x 256 from
+    32 on."""
+    if rows < num_experts:
+        return GroupedGemmConfig(64, 64, 128, 4, 4)
     if rows <= 32 * num_experts:
         return GroupedGemmConfig(64, 128, 128, 4, 4)
     return GroupedGemmConfig(128, 128, 128, 8, 4)
