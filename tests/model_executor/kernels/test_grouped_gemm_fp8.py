@@ -3,6 +3,7 @@ from typing import Any
 import pytest
 import torch
 
+from vllm.model_executor.kernels.device_info import num_sms
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
@@ -72,10 +73,25 @@ def test_matches_reference(device, counts, n, k, config):
     assert bool((out[sum(counts) :] == POISON).all())
 
 
+def test_programs_walk_several_tiles(device):
+    """More (row, N) tiles than SMs (or the interpreter's program bound):
+    each persistent program computes several."""
+    torch.manual_seed(5)
+    counts, n, config = [600, 1, 0, 17, 64], 160, GroupedGemmConfig(16, 32, 32, 4, 1)
+    tiles = sum(-(-c // 16) for c in counts) * (n // 32)
+    assert tiles > num_sms(torch.device(device))
+    out, ref = run_both(problem(counts, n, 48, device), config=config)
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    assert bool((out[sum(counts) :] == POISON).all())
+
+
 def test_zero_rows_and_fp16(device):
     a, a_scale, w, w_scale, offsets = problem([0, 0], 32, 32, device, spare_rows=0)
     out = torch.empty(0, 32, device=device, dtype=torch.bfloat16)
     assert grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out) is out
+    # No experts: no row is below offsets[0], none is written.
+    out, _ = run_both(problem([], 32, 32, device))
+    assert bool((out == POISON).all())
     torch.manual_seed(1)
     out, ref = run_both(problem([3, 9], 48, 64, device), torch.float16)
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
@@ -140,6 +156,15 @@ def test_gated_matches_reference(device, activation, tokens, topk, invalid):
     assert valid == tokens * topk - invalid
     torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
     assert bool((out[valid:] == POISON).all())
+
+
+@pytest.mark.parametrize("tokens", [1, 13], ids=["decode-tiles", "short-tiles"])
+def test_gated_launcher_tiles(device, tokens):
+    """The launcher's own tiles: fewer rows than experts (decode), and a few
+    rows per expert."""
+    torch.manual_seed(tokens)
+    out, ref = run_gated(gated_problem(tokens, 2, 4, 80, 48, device), "silu")
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
 
 
 def test_gate_up_interleaving(device):
@@ -315,25 +340,29 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_tma_operands_must_be_16_byte_aligned(device):
-    a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 40, device)
-    out = torch.empty(a.shape[0], 32, device=device, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"a: expected a 16-byte aligned .* K=40"):
-        grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out)
+    out = torch.empty(8, 32, device=device, dtype=torch.bfloat16)
+    for k in (40, 0):
+        a, a_scale, w, w_scale, offsets = problem([2, 3], 32, k, device)
+        with pytest.raises(ValueError, match=rf"a: expected a 16-byte .* K={k} "):
+            grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out)
     a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 32, device)
-    with pytest.raises(ValueError, match=r"w: expected a 16-byte aligned .* K=32"):
+    with pytest.raises(ValueError, match=r"a: expected a 16-byte .* K=32 "):
+        grouped_gemm_fp8(_misaligned(a), a_scale, w, w_scale, offsets, out)
+    with pytest.raises(ValueError, match=r"w: expected a 16-byte .* K=32 "):
         grouped_gemm_fp8(a, a_scale, _misaligned(w), w_scale, offsets, out)
-    a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
-        3, 2, 2, 32, 32, device
-    )
-    with pytest.raises(ValueError, match="w13: expected a 16-byte aligned"):
-        grouped_gemm_fp8_gated(
-            a,
-            a_scale,
-            src_routes,
-            topk,
-            _misaligned(w13),
-            w13_scale,
-            offsets,
-            "silu",
-            torch.empty(6, 32, device=device, dtype=torch.bfloat16),
+    for k, misaligned in ((32, True), (40, False)):
+        a, a_scale, src_routes, topk, w13, w13_scale, offsets = gated_problem(
+            3, 2, 2, 32, k, device
         )
+        with pytest.raises(ValueError, match=rf"w13: expected a 16-byte .* K={k} "):
+            grouped_gemm_fp8_gated(
+                a,
+                a_scale,
+                src_routes,
+                topk,
+                _misaligned(w13) if misaligned else w13,
+                w13_scale,
+                offsets,
+                "silu",
+                torch.empty(6, 32, device=device, dtype=torch.bfloat16),
+            )

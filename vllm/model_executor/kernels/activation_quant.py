@@ -65,13 +65,14 @@ def _act_quant_kernel(
     MIN_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = row < rows
     x_rows = x_ptr + row[:, None] * stride_x
     out_rows = out_ptr + row[:, None] * stride_out
     offs = tl.arange(0, BLOCK)[None, :]
-    if cols <= BLOCK:  # one block per row: a single pass over registers
+    if ONE_PASS:  # one block per row: a single pass over registers
         mask = row_ok[:, None] & (offs < cols)
         y = _act(x_rows + offs, mask, cols, MODE, ALPHA, LIMIT)
         if QUANT:
@@ -162,6 +163,7 @@ def act_and_quant(
         MIN_SCALE=MIN_SCALE,
         BLOCK_R=block_rows,
         BLOCK=block,
+        ONE_PASS=cols <= block,
         num_warps=4,
     )
 

@@ -89,7 +89,6 @@ def _grouped_gemm_fp8_kernel(
     N,
     K,
     num_experts,
-    NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,7 +102,7 @@ def _grouped_gemm_fp8_kernel(
     # tile's loads. N tiles vary fastest: neighbours share the A rows and the
     # expert's weights in L2.
     for tile in tl.range(
-        tl.program_id(0), tl.sum(tiles) * n_tiles, NUM_PROGRAMS, flatten=True
+        tl.program_id(0), tl.sum(tiles) * n_tiles, tl.num_programs(0), flatten=True
     ):
         m_tile = tile // n_tiles
         n_tile = tile % n_tiles
@@ -149,7 +148,6 @@ def _grouped_gemm_fp8_gated_kernel(
     MODE: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -161,7 +159,7 @@ def _grouped_gemm_fp8_gated_kernel(
     n_tiles = tl.cdiv(inter, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     for tile in tl.range(
-        tl.program_id(0), tl.sum(tiles) * n_tiles, NUM_PROGRAMS, flatten=True
+        tl.program_id(0), tl.sum(tiles) * n_tiles, tl.num_programs(0), flatten=True
     ):
         m_tile = tile // n_tiles
         n_tile = tile % n_tiles
@@ -224,8 +222,8 @@ class GroupedGemmConfig:
 
 def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     """The fastest checked tiles on the H200 (benchmark_grouped_gemm_fp8
-    --sweep): short row groups waste less of a 64-row tile; from 64 rows per
-    expert on, 128 x 256 tiles halve the A re-reads."""
+    --sweep): short row groups waste less of a 64-row tile; above 64 rows
+    per expert, 128 x 256 tiles halve the A re-reads."""
     if rows <= 64 * num_experts:
         return GroupedGemmConfig(64, 256, 128, 4, 4)
     return GroupedGemmConfig(128, 256, 128, 8, 4)
@@ -234,8 +232,8 @@ def default_config(rows: int, num_experts: int) -> GroupedGemmConfig:
 def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     """The fastest checked on the H200 (benchmark_grouped_gemm_fp8 --sweep):
     below a row per expert (decode) 64 x 128 product tiles spread the weight
-    reads over more SMs; 64 x 256 for a few rows per expert, 128 x 256 from
-    32 on."""
+    reads over more SMs; 64 x 256 up to 32 rows per expert, 128 x 256
+    above."""
     if rows < num_experts:
         return GroupedGemmConfig(64, 64, 128, 4, 4)
     if rows <= 32 * num_experts:
@@ -246,18 +244,18 @@ def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
 def _num_programs(
     device: torch.device, rows: int, num_experts: int, block_m: int, n_tiles: int
 ) -> int:
-    # Persistent: one program per SM at most, none without a tile. At most
-    # min(E, R) experts have rows, each with one partial row tile.
+    # Persistent: one program per SM at most, and no more than the tiles can
+    # need. At most min(E, R) experts have rows, each with one partial tile.
     row_tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
     return min(num_sms(device), row_tiles * n_tiles)
 
 
 def _check_tma(name: str, t: torch.Tensor) -> None:
     """TMA boxes need 16-byte aligned rows (fp8: K a multiple of 16)."""
-    if t.shape[-1] % 16 or t.data_ptr() % 16:
+    if t.shape[-1] == 0 or t.shape[-1] % 16 or t.data_ptr() % 16:
         raise ValueError(
-            f"{name}: expected a 16-byte aligned start and K a multiple of 16 "
-            f"(TMA), got K={t.shape[-1]} at data_ptr {t.data_ptr():#x}"
+            f"{name}: expected a 16-byte aligned start and K a positive "
+            f"multiple of 16 (TMA), got K={t.shape[-1]} at {t.data_ptr():#x}"
         )
 
 
@@ -286,8 +284,6 @@ def _check(
         ("out", out, out.dtype, [rows, n]),
     ):
         check_contiguous(name, tensor, dtype, shape, w.device)
-    _check_tma("a", a)
-    _check_tma("w", w)
 
 
 def grouped_gemm_fp8(
@@ -307,8 +303,10 @@ def grouped_gemm_fp8(
     R: they live on the device and are not checked, so that the call needs no
     host sync and no allocation (CUDA-graph capturable)."""
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)
-    if a.shape[0] == 0:
+    if a.shape[0] == 0 or w.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
+    _check_tma("a", a)
+    _check_tma("w", w)
     num_experts, n, k = w.shape
     rows = a.shape[0]
     cfg = config or default_config(rows, num_experts)
@@ -325,7 +323,6 @@ def grouped_gemm_fp8(
         n,
         k,
         num_experts,
-        NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -372,7 +369,6 @@ def _check_gated(
         ("out", out, out.dtype, [rows, n // 2]),
     ):
         check_contiguous(name, tensor, dtype, shape, w13.device)
-    _check_tma("w13", w13)
 
 
 def grouped_gemm_fp8_gated(
@@ -411,8 +407,9 @@ def grouped_gemm_fp8_gated(
         out,
     )
     rows, inter = out.shape
-    if rows == 0:
+    if rows == 0 or w13.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
+    _check_tma("w13", w13)
     num_experts, _, k = w13.shape
     cfg = config or default_gated_config(rows, num_experts)
     programs = _num_programs(
@@ -433,7 +430,6 @@ def grouped_gemm_fp8_gated(
         MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
-        NUM_PROGRAMS=programs,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
