@@ -59,23 +59,27 @@ def _expert_tiles(
 
 
 @triton.jit
-def _expert_tile(
+def _tile_coords(
+    tile,
+    n_tiles,
     starts,
     ends,
     tiles,
     tiles_end,
-    m_tile,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """(expert, first row, row end) of row tile ``m_tile`` < the tile count."""
+    """(expert, first row, row end, N tile) of ``tile`` < the tile count. N
+    tiles vary fastest: neighbours share the A rows and the expert's weights
+    in L2."""
+    m_tile = tile // n_tiles
     # The first expert whose tile range ends after m_tile.
     expert = tl.sum((tiles_end <= m_tile).to(tl.int32))
     mine = tl.arange(0, BLOCK_E) == expert
     first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
     row_end = tl.sum(tl.where(mine, ends, 0))
     row_start = tl.sum(tl.where(mine, starts, 0)) + (m_tile - first_tile) * BLOCK_M
-    return expert, row_start, row_end
+    return expert, row_start, row_end, tile % n_tiles
 
 
 @triton.jit
@@ -99,15 +103,12 @@ def _grouped_gemm_fp8_kernel(
     )
     n_tiles = tl.cdiv(N, BLOCK_N)
     # Persistent: the flattened loop overlaps a tile's epilogue with the next
-    # tile's loads. N tiles vary fastest: neighbours share the A rows and the
-    # expert's weights in L2.
+    # tile's loads.
     for tile in tl.range(
         tl.program_id(0), tl.sum(tiles) * n_tiles, tl.num_programs(0), flatten=True
     ):
-        m_tile = tile // n_tiles
-        n_tile = tile % n_tiles
-        expert, row_start, row_end = _expert_tile(
-            starts, ends, tiles, tiles_end, m_tile, BLOCK_M, BLOCK_E
+        expert, row_start, row_end, n_tile = _tile_coords(
+            tile, n_tiles, starts, ends, tiles, tiles_end, BLOCK_M, BLOCK_E
         )
         # TMA boxes: rows past the expert's end (the next expert's, or zeros
         # past R) and weight rows past N only feed outputs that are not stored.
@@ -161,10 +162,8 @@ def _grouped_gemm_fp8_gated_kernel(
     for tile in tl.range(
         tl.program_id(0), tl.sum(tiles) * n_tiles, tl.num_programs(0), flatten=True
     ):
-        m_tile = tile // n_tiles
-        n_tile = tile % n_tiles
-        expert, row_start, row_end = _expert_tile(
-            starts, ends, tiles, tiles_end, m_tile, BLOCK_M, BLOCK_E
+        expert, row_start, row_end, n_tile = _tile_coords(
+            tile, n_tiles, starts, ends, tiles, tiles_end, BLOCK_M, BLOCK_E
         )
         rows = row_start + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
