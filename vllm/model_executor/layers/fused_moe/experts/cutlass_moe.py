@@ -16,18 +16,18 @@ import torch
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
     Fp8ChannelExperts,
+    carve_fp8_rows,
+    fp8_rows_bytes,
 )
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     grouped_mm,
     grouped_mm_ends,
 )
-from vllm.model_executor.layers.fused_moe.modular_kernel import Shape, carve
+from vllm.model_executor.layers.fused_moe.modular_kernel import Shape
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
     moe_unpermute,
 )
-from vllm.model_executor.layers.quantization.utils.fp8_utils import FP8_DTYPE
-from vllm.v1.worker.workspace import align_up
 
 
 class CutlassExpertsFp8(Fp8ChannelExperts):
@@ -41,10 +41,9 @@ class CutlassExpertsFp8(Fp8ChannelExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows = M * topk
-        # workspace13: fp8 rows + row scales, first of the M input tokens,
-        # then of the R activation rows.
-        workspace13 = max(align_up(M * K) + M * 4, align_up(rows * (N // 2)) + rows * 4)
-        workspace2 = align_up(rows * K) + rows * 4  # permuted fp8 rows + scales
+        # workspace13: the M input tokens quantized, then the R activation rows.
+        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, N // 2))
+        workspace2 = fp8_rows_bytes(rows, K)  # the permuted input rows
         return (workspace13,), (workspace2,), (M, K)
 
     def apply(
@@ -62,15 +61,9 @@ class CutlassExpertsFp8(Fp8ChannelExperts):
         rows, inter = topk_ids.numel(), moe.intermediate_size
         scratch = self.permute_scratch(hidden_states.device)
         num_tokens, hidden = hidden_states.shape
-        a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
-        a_scale = carve(
-            workspace13, (num_tokens,), torch.float32, align_up(a_q.numel())
-        )
+        a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
         quant_rows_fp8(hidden_states, a_q, a_scale)
-        a_perm = carve(workspace2, (rows, hidden), FP8_DTYPE)
-        a_perm_scale = carve(
-            workspace2, (rows, 1), torch.float32, align_up(a_perm.numel())
-        )
+        a_perm, a_perm_scale = carve_fp8_rows(workspace2, rows, hidden)
         _, _, offsets, inv, _ = moe_permute(
             a_q,
             a_scale.view(num_tokens, 1),
@@ -80,14 +73,13 @@ class CutlassExpertsFp8(Fp8ChannelExperts):
             expert_map,
             permuted_hidden_states=a_perm,
             scratch=scratch,
-            permuted_a1q_scale=a_perm_scale,
+            permuted_a1q_scale=a_perm_scale.view(rows, 1),
         )
         ends = grouped_mm_ends(offsets)
         gate_up = grouped_mm(
-            a_perm, self.w13, ends, a_perm_scale.view(-1), self.w13_scale, output.dtype
+            a_perm, self.w13, ends, a_perm_scale, self.w13_scale, output.dtype
         )
-        act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
-        act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
+        act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
         quant_rows_fp8(gate_up, act_q, act_scale, moe.activation)
         down = grouped_mm(act_q, self.w2, ends, act_scale, self.w2_scale, output.dtype)
         moe_unpermute(output, down, topk_weights, inv, offsets)

@@ -2,7 +2,9 @@
 
 The base of the FP8 per-token backends, which differ in their pipeline
 (``workspace_shapes`` and ``apply``) and may re-lay the weights out for their
-kernels (then overriding ``dequantized_weights``).
+kernels (then overriding ``dequantized_weights``). Their workspaces hold
+per-row quantized activations laid out by :func:`fp8_rows_bytes` /
+:func:`carve_fp8_rows`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,28 @@ import torch
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
+    carve,
     check_tensors,
 )
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     FP8_DTYPE,
     per_channel_quant_fp8,
 )
+from vllm.v1.worker.workspace import align_up
+
+
+def fp8_rows_bytes(rows: int, cols: int) -> int:
+    """Bytes of ``rows`` fp8 rows of ``cols`` and their fp32 row scales."""
+    return align_up(rows * cols) + rows * 4
+
+
+def carve_fp8_rows(
+    workspace: torch.Tensor, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 [rows, cols] and, aligned after them, fp32 scales [rows], from the
+    start of a flat byte ``workspace``."""
+    q = carve(workspace, (rows, cols), FP8_DTYPE)
+    return q, carve(workspace, (rows,), torch.float32, align_up(q.numel()))
 
 
 class Fp8ChannelExperts(FusedMoEExperts):

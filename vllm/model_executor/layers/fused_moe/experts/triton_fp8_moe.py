@@ -34,14 +34,14 @@ from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
     Fp8ChannelExperts,
+    carve_fp8_rows,
+    fp8_rows_bytes,
 )
 from vllm.model_executor.layers.fused_moe.modular_kernel import Shape, carve
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
-from vllm.model_executor.layers.quantization.utils.fp8_utils import FP8_DTYPE
-from vllm.v1.worker.workspace import align_up
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
@@ -72,9 +72,8 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
-        # workspace13: fp8 rows + row scales, first of the M input tokens,
-        # then of the R activation rows.
-        workspace13 = max(align_up(M * K) + M * 4, align_up(rows * inter) + rows * 4)
+        # workspace13: the M input tokens quantized, then the R activation rows.
+        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
         # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
@@ -93,10 +92,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         moe = self.moe
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
-        a_q = carve(workspace13, (num_tokens, hidden), FP8_DTYPE)
-        a_scale = carve(
-            workspace13, (num_tokens,), torch.float32, align_up(a_q.numel())
-        )
+        a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
@@ -114,8 +110,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             moe.activation,
             act,
         )
-        act_q = carve(workspace13, (rows, inter), FP8_DTYPE)
-        act_scale = carve(workspace13, (rows,), torch.float32, align_up(act_q.numel()))
+        act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
         # Rows past offsets[-1] (non-local routes) hold stale data: they are
         # quantized too (their count is on the device) and never read again.
         quant_rows_fp8(act, act_q, act_scale)
