@@ -1,0 +1,110 @@
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from tests.model_executor.kernels.test_grouped_gemm_fp8 import POISON, problem
+from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
+from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    GroupedGemmConfig,
+    grouped_gemm_fp8,
+    grouped_gemm_fp8_reference,
+)
+
+H200_SHARED_BYTES = 232448  # per block, opt-in maximum on sm90
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """The kernel builds for Hopper with the installed Triton (CI has no GPU
+    and a newer Triton than the H200 here) and fits its shared memory."""
+    rows, experts, n, k = 256, 4, 512, 256
+    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+    w = torch.empty(experts * n, k, dtype=torch.float8_e4m3fn)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    args = {
+        "a_desc": ws._descriptor(a, [ws.BLOCK_M.value, ws.BLOCK_K.value]),
+        "w_desc": ws._descriptor(w, [ws.BLOCK_N.value, ws.BLOCK_K.value]),
+        "a_scale_ptr": torch.empty(rows),
+        "w_scale_ptr": torch.empty(experts * n),
+        "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
+        "out_ptr": out,
+        "out_desc": ws._descriptor(out, [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]),
+        "N": n,
+        "K": k,
+        "num_experts": experts,
+    }
+    signature = {name: mangle_type(value) for name, value in args.items()}
+    signature["BLOCK_E"] = "constexpr"
+    source = GluonASTSource(
+        ws._grouped_gemm_fp8_ws_kernel, signature, constexprs={"BLOCK_E": experts}
+    )
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+    )
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+    assert 0 < kernel.metadata.shared <= H200_SHARED_BYTES
+
+
+def test_not_taken_off_hopper():
+    out = torch.empty(4, 16, dtype=torch.bfloat16)
+    assert not ws.supports(torch.device("cpu"), 16, out)
+
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm90 GPU",
+)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [1],
+        [0, 70, 130, 1],  # empty first expert, halves with 6 and 2 rows
+        [64, 65, 63, 128, 129, 0, 5, 300],  # exactly full halves and tiles
+        [0, 0, 0],
+    ],
+    ids=["one-row", "uneven", "half-boundaries", "empty"],
+)
+@pytest.mark.parametrize(
+    "n,k", [(512, 256), (96, 48), (2048, 768), (264, 176)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matches_reference(counts, n, k, dtype):
+    """Several N tiles and K steps, partial last ones (N = 96, 264; K = 48,
+    176), halves that are full, partial or empty; rows past the last
+    expert's end stay untouched."""
+    torch.manual_seed(sum(counts) + n + k)
+    inputs = problem(counts, n, k, torch.device("cuda"), spare_rows=17)
+    rows = inputs[0].shape[0]
+    out = torch.full((rows, n), POISON, device="cuda", dtype=dtype)
+    ref = torch.full((rows, n), POISON, device="cuda", dtype=dtype)
+    assert ws.supports(out.device, n, out)
+    ws.launch(*inputs, out)
+    grouped_gemm_fp8_reference(*inputs, ref)
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    assert bool((out[sum(counts) :] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("tokens", [1024, 8192])
+def test_launcher_takes_it_at_model_dims(tokens, monkeypatch):
+    """qwen3-30b-a3b GEMM2 (N 2048, K 768, 128 experts, top-8): the launcher
+    picks this kernel for 128-row tiles, and it agrees with the Triton one."""
+    torch.manual_seed(tokens)
+    ids = torch.randint(0, 128, (tokens * 8,))
+    counts = torch.bincount(ids, minlength=128).tolist()
+    inputs = problem(counts, 2048, 768, torch.device("cuda"), spare_rows=0)
+    launched, launch = [], ws.launch
+    monkeypatch.setattr(ws, "launch", lambda *args: launched.append(launch(*args)))
+    out = torch.full((tokens * 8, 2048), POISON, device="cuda", dtype=torch.bfloat16)
+    grouped_gemm_fp8(*inputs, out)
+    assert len(launched) == (tokens * 8 > 64 * 128)
+    triton_out = torch.full_like(out, POISON)
+    grouped_gemm_fp8(*inputs, triton_out, GroupedGemmConfig(128, 256, 128, 8, 4))
+    torch.testing.assert_close(out, triton_out, rtol=1e-3, atol=1e-3)

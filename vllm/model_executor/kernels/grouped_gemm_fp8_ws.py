@@ -1,0 +1,344 @@
+"""Warp-specialized FP8 grouped GEMM for Hopper (Gluon): the sm90 path of
+:func:`~vllm.model_executor.kernels.grouped_gemm_fp8.grouped_gemm_fp8` for
+128-row tiles.
+
+Same contract as the Triton kernel (per-row and per-channel scales, the
+permute's expert offsets, rows at or past ``offsets[E]`` never written), laid
+out with explicit warp roles, which Triton's ``tl.dot`` pipeline cannot
+express:
+
+- one loader warp streams A rows and weight rows through a ring of TMA boxes
+  (``STAGES`` deep, a ready and an empty mbarrier per slot);
+- two 4-warp consumer warpgroups each own 64 rows of the 128-row tile and
+  share its weight box. The second skips its MMAs when its rows lie past the
+  expert's end, so the last tile of an expert costs half when it is at most
+  half full (random routing leaves ~13% of 128-row tiles padding);
+- a consumer stores a full 64-row half through a TMA box from shared memory
+  and moves on while the store drains; a partial half takes masked stores.
+
+Persistent like the Triton kernel: each program walks the same (row tile,
+N tile) order, and all three partitions derive it from the offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from vllm.model_executor.kernels.device_info import num_sms
+
+# Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
+# versions call them async_load / async_store and make the old names raise.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
+BLOCK_N = gl.constexpr(256)
+BLOCK_K = gl.constexpr(128)
+STAGES = gl.constexpr(3)  # 3 x 48 KiB of boxes + 2 x 32 KiB of store staging
+
+_GL_DTYPES = {
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+}
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _total(x):
+    # gl.reduce, not gl.sum: gl.sum wraps a Triton jit function, which
+    # TRITON_INTERPRET (the CPU tests) turns into one Gluon cannot compile.
+    return gl.reduce(x, 0, _add)
+
+
+@gluon.jit
+def _expert_tiles(offsets_ptr, num_experts, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):
+    """(experts, starts, ends, row tiles, inclusive prefix sum of the tiles)
+    in a layout of the calling partition's ``WARPS`` warps."""
+    experts = gl.arange(0, BLOCK_E, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    valid = experts < num_experts
+    starts = gl.load(offsets_ptr + experts, mask=valid, other=0).to(gl.int32)
+    ends = gl.load(offsets_ptr + experts + 1, mask=valid, other=0).to(gl.int32)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    return experts, starts, ends, tiles, gl.associative_scan(tiles, 0, _add)
+
+
+@gluon.jit
+def _tile_coords(tile, n_tiles, experts, starts, ends, tiles, tiles_end):
+    """(expert, first row, row end, N tile) of ``tile``; N tiles vary
+    fastest, as in the Triton kernel."""
+    m_tile = tile // n_tiles
+    expert = _total((tiles_end <= m_tile).to(gl.int32))
+    mine = experts == expert
+    first_tile = _total(gl.where(mine, tiles_end - tiles, 0))
+    row_end = _total(gl.where(mine, ends, 0))
+    first_row = _total(gl.where(mine, starts, 0))
+    return expert, first_row + (m_tile - first_tile) * BLOCK_M, row_end, tile % n_tiles
+
+
+@gluon.jit
+def _loader(
+    a_desc,
+    w_desc,
+    offsets_ptr,
+    N,
+    K,
+    num_experts,
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    BLOCK_E: gl.constexpr,
+):
+    experts, starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_E, 1
+    )
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    step = 0  # k steps issued: slot step % STAGES, in round step // STAGES
+    for tile in range(gl.program_id(0), _total(tiles) * n_tiles, gl.num_programs(0)):
+        expert, row_start, _, n_tile = _tile_coords(
+            tile, n_tiles, experts, starts, ends, tiles, tiles_end
+        )
+        for k in range(0, K, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
+            # Boxes past a tensor's end are zero-filled and still count in full.
+            mbarrier.expect(ready.index(slot), (BLOCK_M + BLOCK_N) * BLOCK_K)
+            _tma_load(a_desc, [row_start, k], ready.index(slot), a_boxes.index(slot))
+            _tma_load(
+                w_desc,
+                [expert * N + n_tile * BLOCK_N, k],
+                ready.index(slot),
+                w_boxes.index(slot),
+            )
+            step += 1
+
+
+@gluon.jit
+def _consumer(
+    a_scale_ptr,
+    w_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    out_desc,
+    N,
+    K,
+    num_experts,
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+):
+    SUB: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
+    experts, starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_E, 4
+    )
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    step = 0
+    for tile in range(gl.program_id(0), _total(tiles) * n_tiles, gl.num_programs(0)):
+        expert, row_start, row_end, n_tile = _tile_coords(
+            tile, n_tiles, experts, starts, ends, tiles, tiles_end
+        )
+        first_row = row_start + HALF * SUB
+        if first_row < row_end:
+            acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
+            prev_slot = 0
+            for k in range(0, K, BLOCK_K):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                acc = warpgroup_mma(
+                    a_boxes.index(slot).slice(HALF * SUB, SUB, dim=0),
+                    w_boxes.index(slot).permute((1, 0)),
+                    acc,
+                    is_async=True,
+                )
+                # One MMA in flight: the previous one is done with its slot.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:
+                    mbarrier.arrive(empty.index(prev_slot), count=1)
+                prev_slot = slot
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev_slot), count=1)
+
+            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+            cols = n_tile * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
+            )
+            a_scale = gl.load(a_scale_ptr + rows, mask=rows < row_end, other=0.0)
+            w_scale = gl.load(w_scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
+            y = (acc * a_scale[:, None] * w_scale[None, :]).to(out_desc.dtype)
+            if row_end - first_row >= SUB:
+                tma.store_wait(0)  # the previous tile's store has left staging
+                staging.store(y)
+                fence_async_shared()
+                _tma_store(out_desc, [first_row, n_tile * BLOCK_N], staging)
+            else:
+                gl.store(
+                    out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :],
+                    y,
+                    mask=(rows < row_end)[:, None] & (cols < N)[None, :],
+                )
+        else:  # no rows in this half: release the slots the loader fills anyway
+            for _ in range(0, K, BLOCK_K):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                mbarrier.arrive(empty.index(slot), count=1)
+                step += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_ws_kernel(
+    a_desc,
+    w_desc,
+    a_scale_ptr,
+    w_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    out_desc,
+    N,
+    K,
+    num_experts,
+    BLOCK_E: gl.constexpr,
+):
+    a_boxes = gl.allocate_shared_memory(
+        a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout
+    )
+    w_boxes = gl.allocate_shared_memory(
+        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.arrive(empty.index(i), count=2)  # every slot starts free
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    a_scale_ptr,
+                    w_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    out_desc,
+                    N,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    0,
+                    BLOCK_E,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    a_scale_ptr,
+                    w_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    out_desc,
+                    N,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    1,
+                    BLOCK_E,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    a_desc,
+                    w_desc,
+                    offsets_ptr,
+                    N,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    BLOCK_E,
+                ),
+            ),
+        ],
+        [4, 1],  # the second consumer warpgroup, the loader warp
+        [232, 24],  # registers: a 64 x 256 fp32 accumulator; addresses only
+    )
+
+
+def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
+    """Whether this kernel can run the call: a Hopper GPU (sm90), and an
+    ``out`` whose rows a TMA box can store (16-byte aligned start and rows)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and n % 8 == 0
+        and out.data_ptr() % 16 == 0
+    )
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Runs the kernel on arguments ``grouped_gemm_fp8`` has checked (shapes,
+    dtypes, TMA alignment of ``a`` and ``w``) and :func:`supports`."""
+    num_experts, n, k = w.shape
+    rows = a.shape[0]
+    # At most min(E, R) experts have rows, each with one partial tile.
+    row_tiles = triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows)
+    programs = min(num_sms(a.device), row_tiles * triton.cdiv(n, BLOCK_N.value))
+    _grouped_gemm_fp8_ws_kernel[(programs,)](
+        _descriptor(a, [BLOCK_M.value, BLOCK_K.value]),
+        _descriptor(w.view(-1, k), [BLOCK_N.value, BLOCK_K.value]),
+        a_scale,
+        w_scale,
+        expert_first_token_offset,
+        out,
+        _descriptor(out, [BLOCK_M.value // 2, BLOCK_N.value]),
+        n,
+        k,
+        num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=4,
+    )
