@@ -5,11 +5,17 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from tests.model_executor.kernels.test_grouped_gemm_fp8 import POISON, problem
+from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
+    POISON,
+    gated_problem,
+    problem,
+)
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     GroupedGemmConfig,
     grouped_gemm_fp8,
+    grouped_gemm_fp8_gated,
+    grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
 )
 
@@ -100,11 +106,66 @@ def test_launcher_takes_it_at_model_dims(tokens, monkeypatch):
     ids = torch.randint(0, 128, (tokens * 8,))
     counts = torch.bincount(ids, minlength=128).tolist()
     inputs = problem(counts, 2048, 768, torch.device("cuda"), spare_rows=0)
-    launched, launch = [], ws.launch
+    launched: list[None] = []
+    launch = ws.launch
     monkeypatch.setattr(ws, "launch", lambda *args: launched.append(launch(*args)))
     out = torch.full((tokens * 8, 2048), POISON, device="cuda", dtype=torch.bfloat16)
     grouped_gemm_fp8(*inputs, out)
     assert len(launched) == (tokens * 8 > 64 * 128)
     triton_out = torch.full_like(out, POISON)
     grouped_gemm_fp8(*inputs, triton_out, GroupedGemmConfig(128, 256, 128, 8, 4))
+    torch.testing.assert_close(out, triton_out, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+@pytest.mark.parametrize(
+    "tokens,topk,experts,inter,k,invalid",
+    [
+        (1, 1, 4, 128, 128, 0),  # one row
+        (60, 3, 2, 200, 176, 9),  # partial gate/up tile and K step; non-local routes
+        (300, 8, 16, 768, 2048, 0),  # model dims, ~150 rows per expert
+        (40, 4, 3, 64, 48, 0),  # fewer gate/up columns than a tile
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gated_matches_reference(
+    activation, tokens, topk, experts, inter, k, invalid, dtype
+):
+    """Tokens gathered by route, gate/up halves of partial and empty row
+    halves; routes past the offsets' end are never read nor written."""
+    torch.manual_seed(tokens + inter + k)
+    inputs = gated_problem(tokens, topk, experts, inter, k, "cuda", invalid)
+    valid = int(inputs[-1][-1])
+    inputs[2][valid:] = 2**30
+    rows = tokens * topk
+    out = torch.full((rows, inter), POISON, device="cuda", dtype=dtype)
+    ref = torch.full((rows, inter), POISON, device="cuda", dtype=dtype)
+    assert ws.supports_gated(inputs[0], inter, out)
+    ws.launch_gated(*inputs, activation, out)
+    grouped_gemm_fp8_gated_reference(*inputs, activation, ref)
+    torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
+    assert bool((out[valid:] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gated_launcher_takes_it_at_model_dims(monkeypatch):
+    """qwen3-30b-a3b GEMM1 at 8192 tokens: the launcher picks this kernel,
+    and it agrees with the Triton one."""
+    torch.manual_seed(0)
+    inputs = gated_problem(8192, 8, 128, 768, 2048, "cuda")
+    launched: list[None] = []
+    launch = ws.launch_gated
+    monkeypatch.setattr(
+        ws, "launch_gated", lambda *args: launched.append(launch(*args))
+    )
+    out = torch.full((8192 * 8, 768), POISON, device="cuda", dtype=torch.bfloat16)
+    grouped_gemm_fp8_gated(*inputs, "silu", out)
+    assert len(launched) == 1
+    triton_out = torch.full_like(out, POISON)
+    config = GroupedGemmConfig(128, 128, 128, 8, 4)
+    grouped_gemm_fp8_gated(*inputs, "silu", triton_out, config)
     torch.testing.assert_close(out, triton_out, rtol=1e-3, atol=1e-3)

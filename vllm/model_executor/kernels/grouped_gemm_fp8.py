@@ -407,7 +407,8 @@ def grouped_gemm_fp8_gated(
     (:func:`interleave_gate_up`) and ``w13_scale`` [E, 2I] likewise;
     ``out`` [R, I] bf16/fp16. The offsets (int64 [E + 1]) must ascend from
     0 to at most R; offsets and routes live on the device and are not checked
-    (no host sync, CUDA-graph capturable)."""
+    (no host sync, CUDA-graph capturable). Kernel choice as in
+    :func:`grouped_gemm_fp8`."""
     _check_gated(
         a,
         a_scale,
@@ -425,6 +426,23 @@ def grouped_gemm_fp8_gated(
     _check_tma("w13", w13)
     num_experts, _, k = w13.shape
     cfg = config or default_gated_config(rows, num_experts)
+    if (
+        config is None
+        and cfg.block_m == grouped_gemm_fp8_ws.BLOCK_M.value
+        and grouped_gemm_fp8_ws.supports_gated(a, inter, out)
+    ):
+        grouped_gemm_fp8_ws.launch_gated(
+            a,
+            a_scale,
+            src_routes,
+            topk,
+            w13,
+            w13_scale,
+            expert_first_token_offset,
+            activation,
+            out,
+        )
+        return out
     programs = _num_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(inter, cfg.block_n)
     )

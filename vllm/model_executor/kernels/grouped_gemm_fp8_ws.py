@@ -27,6 +27,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -35,12 +36,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from vllm.model_executor.kernels.activation_quant import (
+    MODES,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    gated_act,
+)
 from vllm.model_executor.kernels.device_info import num_sms
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cp_async = (
+    getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+)
 
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
 BLOCK_N = gl.constexpr(256)
@@ -52,6 +62,11 @@ _GL_DTYPES = {
     torch.bfloat16: gl.bfloat16,
     torch.float16: gl.float16,
 }
+
+
+# The activation as the Triton GEMMs apply it, compiled as Gluon.
+_gated_act = gluon.jit(gated_act.fn)
+LOADER_WARPS = gl.constexpr(4)  # the gated GEMM's row gather: 16 bytes per thread
 
 
 @gluon.jit
@@ -89,6 +104,51 @@ def _tile_coords(tile, n_tiles, experts, starts, ends, tiles, tiles_end):
     row_end = _total(gl.where(mine, ends, 0))
     first_row = _total(gl.where(mine, starts, 0))
     return expert, first_row + (m_tile - first_tile) * BLOCK_M, row_end, tile % n_tiles
+
+
+@gluon.jit
+def _mainloop(
+    a_boxes, w_boxes, ready, empty, step, K, HALF: gl.constexpr, GATHERED: gl.constexpr
+):
+    """This warpgroup's 64 x BLOCK_N accumulator over K, from the ring slots
+    ``step``, ``step + 1``, ...; returns it and the next step."""
+    SUB: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
+    prev_slot = 0
+    for k in range(0, K, BLOCK_K):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        if GATHERED:  # cp.async wrote the A rows: order them before the MMA's reads
+            fence_async_shared()
+        acc = warpgroup_mma(
+            a_boxes.index(slot).slice(HALF * SUB, SUB, dim=0),
+            w_boxes.index(slot).permute((1, 0)),
+            acc,
+            is_async=True,
+        )
+        # One MMA in flight: the previous one is done with its slot.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if k > 0:
+            mbarrier.arrive(empty.index(prev_slot), count=1)
+        prev_slot = slot
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(prev_slot), count=1)
+    return acc, step
+
+
+@gluon.jit
+def _skip(ready, empty, step, K):
+    """No rows in this warpgroup's half: release the slots the loader fills."""
+    for _ in range(0, K, BLOCK_K):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        mbarrier.arrive(empty.index(slot), count=1)
+        step += 1
+    return step
 
 
 @gluon.jit
@@ -162,25 +222,7 @@ def _consumer(
         )
         first_row = row_start + HALF * SUB
         if first_row < row_end:
-            acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
-            prev_slot = 0
-            for k in range(0, K, BLOCK_K):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                acc = warpgroup_mma(
-                    a_boxes.index(slot).slice(HALF * SUB, SUB, dim=0),
-                    w_boxes.index(slot).permute((1, 0)),
-                    acc,
-                    is_async=True,
-                )
-                # One MMA in flight: the previous one is done with its slot.
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:
-                    mbarrier.arrive(empty.index(prev_slot), count=1)
-                prev_slot = slot
-                step += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(prev_slot), count=1)
+            acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, False)
 
             rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
             cols = n_tile * BLOCK_N + gl.arange(
@@ -200,12 +242,8 @@ def _consumer(
                     y,
                     mask=(rows < row_end)[:, None] & (cols < N)[None, :],
                 )
-        else:  # no rows in this half: release the slots the loader fills anyway
-            for _ in range(0, K, BLOCK_K):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                mbarrier.arrive(empty.index(slot), count=1)
-                step += 1
+        else:
+            step = _skip(ready, empty, step, K)
     tma.store_wait(0)
 
 
@@ -297,6 +335,258 @@ def _grouped_gemm_fp8_ws_kernel(
     )
 
 
+@gluon.jit
+def _gather_loader(
+    a_ptr,
+    src_routes_ptr,
+    topk,
+    w_desc,
+    offsets_ptr,
+    W_N,
+    K,
+    num_experts,
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    BLOCK_E: gl.constexpr,
+):
+    """The gated GEMM's loader: each row's token from the unpermuted input by
+    cp.async (rows past the expert's end and K read as zeros), the weight
+    rows by TMA; the slot is ready when both have landed."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    experts, starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_E, LOADER_WARPS
+    )
+    n_tiles = (W_N + BLOCK_N - 1) // BLOCK_N
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    step = 0
+    for tile in range(gl.program_id(0), _total(tiles) * n_tiles, gl.num_programs(0)):
+        expert, row_start, row_end, n_tile = _tile_coords(
+            tile, n_tiles, experts, starts, ends, tiles, tiles_end
+        )
+        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        row_ok = rows < row_end
+        tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
+        a_rows = a_ptr + tokens[:, None].to(gl.int64) * K + cols[None, :]
+        for k in range(0, K, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
+            _cp_async(
+                a_boxes.index(slot),
+                a_rows + k,
+                mask=row_ok[:, None] & (cols + k < K)[None, :],
+            )
+            # Each thread's arrival waits for its copies (one of the
+            # LOADER_WARPS * 32 + 1 arrivals the slot expects).
+            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+            mbarrier.expect(ready.index(slot), BLOCK_N * BLOCK_K)
+            _tma_load(
+                w_desc,
+                [expert * W_N + n_tile * BLOCK_N, k],
+                ready.index(slot),
+                w_boxes.index(slot),
+            )
+            step += 1
+
+
+@gluon.jit
+def _gated_consumer(
+    a_scale_ptr,
+    src_routes_ptr,
+    topk,
+    w_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    out_desc,
+    inter,
+    K,
+    num_experts,
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    HALF: gl.constexpr,
+    MODE: gl.constexpr,
+    ALPHA: gl.constexpr,
+    LIMIT: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+):
+    SUB: gl.constexpr = BLOCK_M // 2
+    OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, OUT_N], out_desc.layout)
+    experts, starts, ends, tiles, tiles_end = _expert_tiles(
+        offsets_ptr, num_experts, BLOCK_E, 4
+    )
+    n_tiles = (2 * inter + BLOCK_N - 1) // BLOCK_N
+    step = 0
+    for tile in range(gl.program_id(0), _total(tiles) * n_tiles, gl.num_programs(0)):
+        expert, row_start, row_end, n_tile = _tile_coords(
+            tile, n_tiles, experts, starts, ends, tiles, tiles_end
+        )
+        first_row = row_start + HALF * SUB
+        if first_row < row_end:
+            acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, True)
+
+            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+            row_ok = rows < row_end
+            tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
+            a_scale = gl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
+            w_rows = n_tile * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
+            )
+            w_scale = gl.load(
+                w_scale_ptr + expert * 2 * inter + w_rows,
+                mask=w_rows < 2 * inter,
+                other=0.0,
+            )
+            acc = acc * a_scale[:, None] * w_scale[None, :]
+            gate, up = gl.split(gl.reshape(acc, (SUB, OUT_N, 2)))
+            y = _gated_act(gate, up, MODE, ALPHA, LIMIT).to(out_desc.dtype)
+            y = gl.convert_layout(y, out_layout)
+            if row_end - first_row >= SUB:
+                tma.store_wait(0)  # the previous tile's store has left staging
+                staging.store(y)
+                fence_async_shared()
+                _tma_store(out_desc, [first_row, n_tile * OUT_N], staging)
+            else:
+                out_rows = first_row + gl.arange(
+                    0, SUB, layout=gl.SliceLayout(1, out_layout)
+                )
+                out_cols = n_tile * OUT_N + gl.arange(
+                    0, OUT_N, layout=gl.SliceLayout(0, out_layout)
+                )
+                gl.store(
+                    out_ptr
+                    + out_rows[:, None].to(gl.int64) * inter
+                    + out_cols[None, :],
+                    y,
+                    mask=(out_rows < row_end)[:, None] & (out_cols < inter)[None, :],
+                )
+        else:
+            step = _skip(ready, empty, step, K)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_gemm_fp8_gated_ws_kernel(
+    a_ptr,
+    a_scale_ptr,
+    src_routes_ptr,
+    w_desc,
+    w_scale_ptr,
+    offsets_ptr,
+    out_ptr,
+    out_desc,
+    inter,
+    K,
+    num_experts,
+    topk,
+    MODE: gl.constexpr,
+    ALPHA: gl.constexpr,
+    LIMIT: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+):
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M, BLOCK_K], gl.float8e4nv
+    )
+    a_boxes = gl.allocate_shared_memory(
+        gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout
+    )
+    w_boxes = gl.allocate_shared_memory(
+        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32 + 1)
+        mbarrier.init(empty.index(i), count=2)
+        mbarrier.arrive(empty.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (
+                _gated_consumer,
+                (
+                    a_scale_ptr,
+                    src_routes_ptr,
+                    topk,
+                    w_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    out_desc,
+                    inter,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    0,
+                    MODE,
+                    ALPHA,
+                    LIMIT,
+                    BLOCK_E,
+                ),
+            ),
+            (
+                _gated_consumer,
+                (
+                    a_scale_ptr,
+                    src_routes_ptr,
+                    topk,
+                    w_scale_ptr,
+                    offsets_ptr,
+                    out_ptr,
+                    out_desc,
+                    inter,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    1,
+                    MODE,
+                    ALPHA,
+                    LIMIT,
+                    BLOCK_E,
+                ),
+            ),
+            (
+                _gather_loader,
+                (
+                    a_ptr,
+                    src_routes_ptr,
+                    topk,
+                    w_desc,
+                    offsets_ptr,
+                    2 * inter,
+                    K,
+                    num_experts,
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    BLOCK_E,
+                ),
+            ),
+        ],
+        [4, LOADER_WARPS],
+        [232, 40],
+    )
+
+
+def supports_gated(a: torch.Tensor, inter: int, out: torch.Tensor) -> bool:
+    """Whether the gated kernel can run the call: :func:`supports`, and token
+    rows that 16-byte copies can read (K a multiple of 16 is checked by the
+    caller with ``w13``)."""
+    return supports(a.device, inter, out) and a.data_ptr() % 16 == 0
+
+
 def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
     """Whether this kernel can run the call: a Hopper GPU (sm90), and an
     ``out`` whose rows a TMA box can store (16-byte aligned start and rows)."""
@@ -339,6 +629,45 @@ def launch(
         n,
         k,
         num_experts,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=4,
+    )
+
+
+def launch_gated(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    src_routes: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    expert_first_token_offset: torch.Tensor,
+    activation: str,
+    out: torch.Tensor,
+) -> None:
+    """Runs the gated kernel on arguments ``grouped_gemm_fp8_gated`` has
+    checked (shapes, dtypes, TMA alignment of ``w13``) and
+    :func:`supports_gated`."""
+    num_experts, w_n, k = w13.shape
+    rows, inter = out.shape
+    row_tiles = triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows)
+    programs = min(num_sms(a.device), row_tiles * triton.cdiv(w_n, BLOCK_N.value))
+    _grouped_gemm_fp8_gated_ws_kernel[(programs,)](
+        a,
+        a_scale,
+        src_routes,
+        _descriptor(w13.view(-1, k), [BLOCK_N.value, BLOCK_K.value]),
+        w13_scale,
+        expert_first_token_offset,
+        out,
+        _descriptor(out, [BLOCK_M.value // 2, BLOCK_N.value // 2]),
+        inter,
+        k,
+        num_experts,
+        topk,
+        MODE=MODES[activation],
+        ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )
