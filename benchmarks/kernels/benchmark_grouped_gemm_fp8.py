@@ -1,4 +1,4 @@
-"""FP8 grouped GEMMs: the Triton kernels against ``torch._scaled_grouped_mm``.
+"""FP8 grouped GEMMs: our kernels against ``torch._scaled_grouped_mm``.
 
 On the two expert GEMMs of a MoE layer (default: qwen3-30b-a3b, 128 experts,
 top-8, hidden 2048, intermediate 768) with uniform random routing, as the
@@ -6,7 +6,9 @@ triton_fp8 layer runs them: GEMM1 gathers its rows and applies the gated
 activation in the epilogue. ``_scaled_grouped_mm`` runs the same products on
 permuted rows (GEMM1 without the activation). Timed under CUDA-graph
 replay; TFLOP/s (of the products) and the fraction of the H200's dense fp8
-peak. ``--sweep`` also times each Triton tile config.
+peak. The launcher's choice (the warp-specialized Gluon kernels for 128-row
+tiles on Hopper) runs beside the Triton kernel with the same tiles;
+``--sweep`` also times each Triton tile config.
 
     python -m benchmarks.kernels.benchmark_grouped_gemm_fp8 --tokens 1024 8192
 """
@@ -25,6 +27,7 @@ from benchmarks.kernels.bench_utils import (
     time_graph_us,
     write_results,
 )
+from vllm.model_executor.kernels import grouped_gemm_fp8_ws
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
@@ -121,16 +124,18 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
         "gate_up": (
             gate_up,
             default_gated_config(rows, experts),
+            grouped_gemm_fp8_ws.supports_gated(a, inter, act),
             (a_perm, w13, a_scale[src_routes.long() // topk], w13_scale),
         ),
         "down": (
             down_proj,
             default_config(rows, experts),
+            grouped_gemm_fp8_ws.supports(down.device, hidden, down),
             (act_q, w2, act_scale, w2_scale),
         ),
     }
     results = []
-    for gemm, (run, default, (x, w, x_s, w_s)) in gemms.items():
+    for gemm, (run, default, ws_ok, (x, w, x_s, w_s)) in gemms.items():
 
         def torch_step(_: int, x=x, w=w, x_s=x_s, w_s=w_s) -> None:
             torch._scaled_grouped_mm(
@@ -139,18 +144,23 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
 
         torch_us = time_graph_us(torch_step, iters)
         flops = 2 * rows * w.shape[1] * w.shape[2]
-        for config in SWEEP[gemm] if args.sweep else [default]:
+        # None: the launcher's choice, the Gluon kernel where it applies.
+        takes_ws = ws_ok and default.block_m == grouped_gemm_fp8_ws.BLOCK_M.value
+        configs: list[GroupedGemmConfig | None] = [None] if takes_ws else []
+        configs += SWEEP[gemm] if args.sweep else [default]
+        for config in configs:
 
             def triton_step(_: int, run=run, config=config) -> None:
                 run(config)
 
             triton_us = time_graph_us(triton_step, iters)
             tflops = flops / (triton_us * 1e-6) / 1e12
+            label = "x".join(map(str, astuple(config))) if config else "gluon-ws"
             results.append(
                 Row(
                     gemm,
                     tokens,
-                    "x".join(map(str, astuple(config))),
+                    label,
                     torch_us,
                     triton_us,
                     tflops,
@@ -192,7 +202,7 @@ def main() -> None:
     )
     head = (
         f"{'gemm':>7} {'tokens':>6} {'config':>17} | {'torch us':>9} | "
-        f"{'triton us':>9} {'TFLOP/s':>8} {'of peak':>7} {'x torch':>7}"
+        f"{'ours us':>9} {'TFLOP/s':>8} {'of peak':>7} {'x torch':>7}"
     )
     print(head)
     print("-" * len(head))
