@@ -7,17 +7,12 @@ from vllm.model_executor.kernels.device_info import num_sms
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
-    RowQuant,
     deinterleave_gate_up,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
-)
-from vllm.model_executor.kernels.grouped_gemm_fp8_ws import quant_scratch_numel
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    per_token_quant_fp8,
 )
 
 POISON = -7.0
@@ -212,14 +207,6 @@ def test_gated_zero_rows_and_fp16(device):
         (lambda t: t.update(out=t["out"][:, :-1]), "out: expected contiguous"),
         (lambda t: t.update(activation="gelu"), "activation: expected"),
         (lambda t: t.update(topk=0), "topk: expected"),
-        (
-            lambda t: t.update(quant=row_quant(6, 32, 2, t["a"].device, scale_rows=5)),
-            "quant.scale: expected",
-        ),
-        (
-            lambda t: t.update(quant=row_quant(6, 32, 2, t["a"].device, scratch=-1)),
-            "quant.scratch: expected .* at least",
-        ),
     ],
     ids=[
         "w13",
@@ -234,8 +221,6 @@ def test_gated_zero_rows_and_fp16(device):
         "out-cols",
         "act",
         "topk",
-        "quant-scale",
-        "quant-scratch",
     ],
 )
 def test_gated_bad_input_names_the_argument(device, change, message):
@@ -252,7 +237,6 @@ def test_gated_bad_input_names_the_argument(device, change, message):
         "offsets": offsets,
         "activation": "silu",
         "out": torch.empty(6, 32, device=device, dtype=torch.bfloat16),
-        "quant": None,
     }
     change(t)
     with pytest.raises(ValueError, match=message):
@@ -266,73 +250,7 @@ def test_gated_bad_input_names_the_argument(device, change, message):
             t["offsets"],
             t["activation"],
             t["out"],
-            quant=t["quant"],
         )
-
-
-def row_quant(
-    rows: int,
-    inter: int,
-    experts: int,
-    device: torch.device,
-    scale_rows: int | None = None,
-    scratch: int = 0,
-) -> RowQuant:
-    """Poisoned quantization outputs; ``scratch`` elements more (or fewer)
-    than the kernel needs."""
-    return RowQuant(
-        torch.full((rows, inter), POISON, device=device).to(FP8_DTYPE),
-        torch.full(
-            (rows if scale_rows is None else scale_rows,), POISON, device=device
-        ),
-        torch.zeros(
-            quant_scratch_numel(rows, inter, experts) + scratch,
-            dtype=torch.int32,
-            device=device,
-        ),
-    )
-
-
-def assert_quantizes(quant: RowQuant, act: torch.Tensor) -> None:
-    """``quant`` holds ``act`` quantized per row as ``per_token_quant_fp8``
-    does it (the bounds of test_activation_quant)."""
-    q, scale = per_token_quant_fp8(act)
-    rows = act.shape[0]
-    torch.testing.assert_close(quant.scale[:rows], scale.view(-1), rtol=4e-6, atol=0)
-    assert (quant.out[:rows].float() != q.float()).float().mean().item() < 0.05
-    if act.is_cuda:  # the interpreter mis-rounds fp8 casts near powers of two
-        ref = q.float() * scale
-        one_step = 0.125 * ref.abs() + 2**-9 * scale
-        deq = quant.out[:rows].float() * quant.scale[:rows, None]
-        assert bool(((deq - ref).abs() <= one_step + 1e-12).all())
-
-
-@pytest.mark.parametrize(
-    "config", [GroupedGemmConfig(16, 32, 32, 4, 1), None], ids=["small", "launcher"]
-)
-def test_gated_row_quant(device, config):
-    """With ``quant`` the activation also comes out quantized per row; called
-    twice on the same scratch."""
-    torch.manual_seed(3)
-    inputs = gated_problem(40, 3, 4, 80, 48, device, invalid=7)
-    valid = int(inputs[-1][-1])
-    out = torch.full((120, 80), POISON, device=device, dtype=torch.bfloat16)
-    ref = torch.full_like(out, POISON)
-    grouped_gemm_fp8_gated_reference(*inputs, "silu", ref)
-    quant = row_quant(120, 80, 4, device)
-    for _ in range(2):
-        grouped_gemm_fp8_gated(*inputs, "silu", out, config, quant)
-        torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
-        assert_quantizes(quant, out[:valid])
-
-
-def test_gated_reference_row_quant(device):
-    torch.manual_seed(4)
-    inputs = gated_problem(9, 2, 3, 48, 64, device)
-    out = torch.empty(18, 48, device=device, dtype=torch.bfloat16)
-    quant = row_quant(18, 48, 3, device)
-    grouped_gemm_fp8_gated_reference(*inputs, "swiglu", out, quant)
-    assert_quantizes(quant, out)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,3 @@
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
@@ -13,10 +7,8 @@ from triton.runtime.jit import mangle_type
 
 from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     POISON,
-    assert_quantizes,
     gated_problem,
     problem,
-    row_quant,
 )
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
@@ -30,93 +22,35 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
 H200_SHARED_BYTES = 232448  # per block, opt-in maximum on sm90
 
 
-def compile_for_sm90() -> None:
-    """Compiles both kernels for Hopper and prints, per kernel, whether its
-    PTX holds wgmma and its shared memory bytes (run by the test below in a
-    process of its own)."""
-    rows, experts, n, k, topk = 256, 4, 512, 256, 2
-    fp8 = torch.float8_e4m3fn
-    a, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
+def test_compiles_for_sm90_without_a_gpu():
+    """The kernel builds for Hopper with the installed Triton (CI has no GPU
+    and a newer Triton than the H200 here) and fits its shared memory."""
+    rows, experts, n, k = 256, 4, 512, 256
+    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+    w = torch.empty(experts * n, k, dtype=torch.float8_e4m3fn)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
-    block = [ws.BLOCK_M.value, ws.BLOCK_K.value]
-    w_block = [ws.BLOCK_N.value, ws.BLOCK_K.value]
-    out_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]
-    act_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value // 2]
-    plain = {
-        "a_desc": ws._descriptor(a, block),
-        "w_desc": ws._descriptor(w, w_block),
+    args = {
+        "a_desc": ws._descriptor(a, [ws.BLOCK_M.value, ws.BLOCK_K.value]),
+        "w_desc": ws._descriptor(w, [ws.BLOCK_N.value, ws.BLOCK_K.value]),
         "a_scale_ptr": torch.empty(rows),
         "w_scale_ptr": torch.empty(experts * n),
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": out,
-        "out_desc": ws._descriptor(out, out_block),
+        "out_desc": ws._descriptor(out, [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]),
         "N": n,
         "K": k,
         "num_experts": experts,
     }
-    gated = {
-        "a_ptr": a,
-        "a_scale_ptr": torch.empty(rows),
-        "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
-        "w_desc": ws._descriptor(w, w_block),
-        "w_scale_ptr": torch.empty(experts * n),
-        "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
-        "out_ptr": act,
-        "out_desc": ws._descriptor(act, act_block),
-        "q_ptr": torch.empty(rows, n // 2, dtype=fp8),
-        "q_scale_ptr": torch.empty(rows),
-        "amax_ptr": torch.empty(rows * 2),
-        "done_ptr": torch.empty(64, dtype=torch.int32),
-        "inter": n // 2,
-        "K": k,
-        "num_experts": experts,
-        "topk": topk,
-    }
-    constexprs = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0, "QUANT": True}
-    for kernel, args, consts in (
-        (ws._grouped_gemm_fp8_ws_kernel, plain, {}),
-        (ws._grouped_gemm_fp8_gated_ws_kernel, gated, constexprs),
-    ):
-        consts = {**consts, "BLOCK_E": experts}
-        signature = {name: mangle_type(value) for name, value in args.items()}
-        signature |= dict.fromkeys(consts, "constexpr")
-        # As the launch specializes them: 16-byte aligned pointers and sizes.
-        aligned = {
-            (i,): [["tt.divisibility", 16]]
-            for i, (name, value) in enumerate(args.items())
-            if isinstance(value, torch.Tensor) or name in ("N", "K", "inter")
-        }
-        source = GluonASTSource(kernel, signature, constexprs=consts, attrs=aligned)
-        compiled = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
-        )
-        print(
-            json.dumps(
-                ["wgmma.mma_async" in compiled.asm["ptx"], compiled.metadata.shared]
-            )
-        )
-
-
-def test_compiles_for_sm90_without_a_gpu():
-    """The kernels build for Hopper with the installed Triton (CI has no GPU
-    and a newer Triton than the H200 here) and fit its shared memory. In a
-    process of its own: TRITON_INTERPRET, which the CPU tests run under,
-    patches Triton's language for the kernels it runs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).parents[3]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    module = "tests.model_executor.kernels.test_grouped_gemm_fp8_ws"
-    code = f"from {module} import compile_for_sm90; compile_for_sm90()"
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    signature = {name: mangle_type(value) for name, value in args.items()}
+    signature["BLOCK_E"] = "constexpr"
+    source = GluonASTSource(
+        ws._grouped_gemm_fp8_ws_kernel, signature, constexprs={"BLOCK_E": experts}
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    kernels = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(kernels) == 2
-    for has_wgmma, shared in kernels:
-        assert has_wgmma
-        assert 0 < shared <= H200_SHARED_BYTES
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+    )
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+    assert 0 < kernel.metadata.shared <= H200_SHARED_BYTES
 
 
 def test_not_taken_off_hopper():
@@ -197,13 +131,11 @@ def test_launcher_takes_it_at_model_dims(tokens, monkeypatch):
     ids=str,
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("quant", [False, True], ids=["act", "act+quant"])
 def test_gated_matches_reference(
-    activation, tokens, topk, experts, inter, k, invalid, dtype, quant
+    activation, tokens, topk, experts, inter, k, invalid, dtype
 ):
     """Tokens gathered by route, gate/up halves of partial and empty row
-    halves; routes past the offsets' end are never read nor written. With
-    ``quant`` the last of a row half's N tiles also quantizes its rows."""
+    halves; routes past the offsets' end are never read nor written."""
     torch.manual_seed(tokens + inter + k)
     inputs = gated_problem(tokens, topk, experts, inter, k, "cuda", invalid)
     valid = int(inputs[-1][-1])
@@ -211,13 +143,8 @@ def test_gated_matches_reference(
     rows = tokens * topk
     out = torch.full((rows, inter), POISON, device="cuda", dtype=dtype)
     ref = torch.full((rows, inter), POISON, device="cuda", dtype=dtype)
-    q = row_quant(rows, inter, experts, out.device) if quant else None
     assert ws.supports_gated(inputs[0], inter, out)
-    tensors = None if q is None else (q.out, q.scale, q.scratch)
-    for _ in range(2 if q else 1):  # the counters start from zero again
-        ws.launch_gated(*inputs, activation, out, tensors)
-        if q:
-            assert_quantizes(q, out[:valid])
+    ws.launch_gated(*inputs, activation, out)
     grouped_gemm_fp8_gated_reference(*inputs, activation, ref)
     torch.testing.assert_close(out[:valid], ref[:valid], rtol=1.6e-2, atol=1e-2)
     assert bool((out[valid:] == POISON).all())
@@ -238,10 +165,6 @@ def test_gated_launcher_takes_it_at_model_dims(monkeypatch):
     out = torch.full((8192 * 8, 768), POISON, device="cuda", dtype=torch.bfloat16)
     grouped_gemm_fp8_gated(*inputs, "silu", out)
     assert len(launched) == 1
-    quant = row_quant(8192 * 8, 768, 128, out.device)
-    grouped_gemm_fp8_gated(*inputs, "silu", out, None, quant)
-    assert len(launched) == 2
-    assert_quantizes(quant, out)
     triton_out = torch.full_like(out, POISON)
     config = GroupedGemmConfig(128, 128, 128, 8, 4)
     grouped_gemm_fp8_gated(*inputs, "silu", triton_out, config)

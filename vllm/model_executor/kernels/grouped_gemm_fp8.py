@@ -36,15 +36,11 @@ from vllm.model_executor.kernels.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
-    act_and_quant,
     gated_act,
     gated_act_reference,
 )
 from vllm.model_executor.kernels.checks import check_contiguous
 from vllm.model_executor.kernels.device_info import num_sms
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    per_token_quant_fp8,
-)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -216,20 +212,6 @@ def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RowQuant:
-    """Where :func:`grouped_gemm_fp8_gated` also writes its activation
-    quantized per row (``quant_rows_fp8``'s formula): fp8 ``out`` [R, I] and
-    fp32 ``scale`` [R]. The Hopper kernel quantizes in its epilogue and keeps
-    row amaxes and counters in ``scratch`` (int32, at least
-    ``grouped_gemm_fp8_ws.quant_scratch_numel(R, I, E)`` elements); the
-    other paths make a second pass over the activation."""
-
-    out: torch.Tensor
-    scale: torch.Tensor
-    scratch: torch.Tensor
-
-
-@dataclass(frozen=True)
 class GroupedGemmConfig:
     block_m: int
     block_n: int  # the gated GEMM: output columns (a 2 x block_n product tile)
@@ -374,7 +356,6 @@ def _check_gated(
     offsets: torch.Tensor,
     activation: str,
     out: torch.Tensor,
-    quant: RowQuant | None,
 ) -> None:
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"w13: expected [E, 2 * I, K], got shape {list(w13.shape)}")
@@ -401,24 +382,6 @@ def _check_gated(
         ("out", out, out.dtype, [rows, n // 2]),
     ):
         check_contiguous(name, tensor, dtype, shape, w13.device)
-    if quant is None:
-        return
-    check_contiguous("quant.out", quant.out, FP8_DTYPE, [rows, n // 2], w13.device)
-    check_contiguous("quant.scale", quant.scale, torch.float32, [rows], w13.device)
-    need = grouped_gemm_fp8_ws.quant_scratch_numel(rows, n // 2, num_experts)
-    scratch = quant.scratch
-    if (
-        scratch.dtype != torch.int32
-        or scratch.dim() != 1
-        or scratch.numel() < need
-        or not scratch.is_contiguous()
-        or scratch.device != w13.device
-    ):
-        raise ValueError(
-            f"quant.scratch: expected a contiguous int32 vector of at least {need} "
-            f"elements on {w13.device}, got {scratch.dtype} {list(scratch.shape)} "
-            f"on {scratch.device}"
-        )
 
 
 def grouped_gemm_fp8_gated(
@@ -432,7 +395,6 @@ def grouped_gemm_fp8_gated(
     activation: str,
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
-    quant: RowQuant | None = None,
 ) -> torch.Tensor:
     """``out[r] = act(gate, up)`` where ``[gate | up]`` is the deinterleaved
     ``(a[t] @ w13[e]^T) * a_scale[t] * w13_scale[e]``, for each row ``r`` below
@@ -446,8 +408,7 @@ def grouped_gemm_fp8_gated(
     ``out`` [R, I] bf16/fp16. The offsets (int64 [E + 1]) must ascend from
     0 to at most R; offsets and routes live on the device and are not checked
     (no host sync, CUDA-graph capturable). Kernel choice as in
-    :func:`grouped_gemm_fp8`. With ``quant``, the rows are also quantized
-    per row into it (:class:`RowQuant`)."""
+    :func:`grouped_gemm_fp8`."""
     _check_gated(
         a,
         a_scale,
@@ -458,7 +419,6 @@ def grouped_gemm_fp8_gated(
         expert_first_token_offset,
         activation,
         out,
-        quant,
     )
     rows, inter = out.shape
     if rows == 0 or w13.shape[0] == 0:  # no rows or no experts: nothing to write
@@ -481,7 +441,6 @@ def grouped_gemm_fp8_gated(
             expert_first_token_offset,
             activation,
             out,
-            None if quant is None else (quant.out, quant.scale, quant.scratch),
         )
         return out
     programs = _num_programs(
@@ -509,10 +468,6 @@ def grouped_gemm_fp8_gated(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if quant is not None:
-        # Rows past offsets[-1] hold stale data: quantized too (their count
-        # is on the device), never read.
-        act_and_quant(out, quant.out, None, quant.scale)
     return out
 
 
@@ -545,7 +500,6 @@ def grouped_gemm_fp8_gated_reference(
     expert_first_token_offset: torch.Tensor,
     activation: str,
     out: torch.Tensor,
-    quant: RowQuant | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, fp32 per expert: the oracle in tests."""
     _check_gated(
@@ -558,7 +512,6 @@ def grouped_gemm_fp8_gated_reference(
         expert_first_token_offset,
         activation,
         out,
-        quant,
     )
     bounds = expert_first_token_offset.tolist()
     for e in range(w13.shape[0]):
@@ -569,8 +522,4 @@ def grouped_gemm_fp8_gated_reference(
             product *= a_scale[tokens, None] * w13_scale[e]
             gate_up = deinterleave_gate_up(product)
             out[lo:hi] = gated_act_reference(activation, gate_up).to(out.dtype)
-    if quant is not None:
-        q, scale = per_token_quant_fp8(out)
-        quant.out.copy_(q)
-        quant.scale.copy_(scale.view(-1))
     return out

@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from vllm.model_executor.kernels import activation_quant
 from vllm.model_executor.kernels.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
@@ -52,7 +51,6 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 _cp_async = (
     getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 )
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
 BLOCK_N = gl.constexpr(256)
@@ -68,19 +66,12 @@ _GL_DTYPES = {
 
 # The activation as the Triton GEMMs apply it, compiled as Gluon.
 _gated_act = gluon.jit(gated_act.fn)
-FP8_MAX = gl.constexpr(activation_quant.FP8_MAX)
-MIN_SCALE = gl.constexpr(activation_quant.MIN_SCALE)
 LOADER_WARPS = gl.constexpr(4)  # the gated GEMM's row gather: 16 bytes per thread
 
 
 @gluon.jit
 def _add(a, b):
     return a + b
-
-
-@gluon.jit
-def _max(a, b):
-    return gl.maximum(a, b)
 
 
 @gluon.jit
@@ -400,40 +391,6 @@ def _gather_loader(
 
 
 @gluon.jit
-def _quantize_rows(
-    act_ptr,
-    q_ptr,
-    q_scale_ptr,
-    amax_ptr,
-    first_row,
-    row_end,
-    inter,
-    n_tiles,
-    layout: gl.constexpr,
-):
-    """Per-row fp8 quantization of 64 activation rows, all of whose N tiles
-    are stored, with their amaxes (the formula of ``quant_rows_fp8``)."""
-    SUB: gl.constexpr = BLOCK_M // 2
-    OUT_N: gl.constexpr = BLOCK_N // 2
-    rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, layout))
-    row_ok = rows < row_end
-    amax = gl.zeros([SUB], gl.float32, gl.SliceLayout(1, layout))
-    for n_tile in range(n_tiles):
-        tile_amax = gl.load(amax_ptr + rows * n_tiles + n_tile, mask=row_ok, other=0.0)
-        amax = gl.maximum(amax, tile_amax)
-    scale = gl.maximum(amax, MIN_SCALE) / FP8_MAX
-    gl.store(q_scale_ptr + rows, scale, mask=row_ok)
-    inv_scale = (1.0 / scale)[:, None]
-    for n_tile in range(n_tiles):
-        cols = n_tile * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, layout))
-        offs = rows[:, None].to(gl.int64) * inter + cols[None, :]
-        mask = row_ok[:, None] & (cols < inter)[None, :]
-        x = gl.load(act_ptr + offs, mask=mask, other=0.0).to(gl.float32)
-        q = gl.minimum(gl.maximum(x * inv_scale, -FP8_MAX), FP8_MAX)
-        gl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
 def _gated_consumer(
     a_scale_ptr,
     src_routes_ptr,
@@ -442,10 +399,6 @@ def _gated_consumer(
     offsets_ptr,
     out_ptr,
     out_desc,
-    q_ptr,
-    q_scale_ptr,
-    amax_ptr,
-    done_ptr,
     inter,
     K,
     num_experts,
@@ -457,7 +410,6 @@ def _gated_consumer(
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
-    QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     SUB: gl.constexpr = BLOCK_M // 2
@@ -496,46 +448,25 @@ def _gated_consumer(
             gate, up = gl.split(gl.reshape(acc, (SUB, OUT_N, 2)))
             y = _gated_act(gate, up, MODE, ALPHA, LIMIT).to(out_desc.dtype)
             y = gl.convert_layout(y, out_layout)
-            out_rows = first_row + gl.arange(
-                0, SUB, layout=gl.SliceLayout(1, out_layout)
-            )
-            out_cols = n_tile * OUT_N + gl.arange(
-                0, OUT_N, layout=gl.SliceLayout(0, out_layout)
-            )
-            out_ok = (out_rows < row_end)[:, None] & (out_cols < inter)[None, :]
-            out_offs = out_rows[:, None].to(gl.int64) * inter + out_cols[None, :]
-            if QUANT:
-                # Plain stores (a TMA store's wait does not make it visible to
-                # other programs), this tile's row amaxes, then a count per
-                # 64-row half: the last of its N tiles quantizes the rows.
-                gl.store(out_ptr + out_offs, y, mask=out_ok)
-                amax = gl.reduce(gl.abs(y.to(gl.float32)), 1, _max)
-                gl.store(
-                    amax_ptr + out_rows * n_tiles + n_tile,
-                    amax,
-                    mask=out_rows < row_end,
-                )
-                _cta_barrier()  # every thread's stores before the release
-                half_id = (tile // n_tiles) * 2 + HALF
-                if gl.atomic_add(done_ptr + half_id, 1, sem="acq_rel") == n_tiles - 1:
-                    _quantize_rows(
-                        out_ptr,
-                        q_ptr,
-                        q_scale_ptr,
-                        amax_ptr,
-                        first_row,
-                        row_end,
-                        inter,
-                        n_tiles,
-                        out_layout,
-                    )
-            elif row_end - first_row >= SUB:
+            if row_end - first_row >= SUB:
                 tma.store_wait(0)  # the previous tile's store has left staging
                 staging.store(y)
                 fence_async_shared()
                 _tma_store(out_desc, [first_row, n_tile * OUT_N], staging)
             else:
-                gl.store(out_ptr + out_offs, y, mask=out_ok)
+                out_rows = first_row + gl.arange(
+                    0, SUB, layout=gl.SliceLayout(1, out_layout)
+                )
+                out_cols = n_tile * OUT_N + gl.arange(
+                    0, OUT_N, layout=gl.SliceLayout(0, out_layout)
+                )
+                gl.store(
+                    out_ptr
+                    + out_rows[:, None].to(gl.int64) * inter
+                    + out_cols[None, :],
+                    y,
+                    mask=(out_rows < row_end)[:, None] & (out_cols < inter)[None, :],
+                )
         else:
             step = _skip(ready, empty, step, K)
     tma.store_wait(0)
@@ -551,10 +482,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     offsets_ptr,
     out_ptr,
     out_desc,
-    q_ptr,
-    q_scale_ptr,
-    amax_ptr,
-    done_ptr,
     inter,
     K,
     num_experts,
@@ -562,7 +489,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
-    QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -592,10 +518,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     offsets_ptr,
                     out_ptr,
                     out_desc,
-                    q_ptr,
-                    q_scale_ptr,
-                    amax_ptr,
-                    done_ptr,
                     inter,
                     K,
                     num_experts,
@@ -607,7 +529,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     MODE,
                     ALPHA,
                     LIMIT,
-                    QUANT,
                     BLOCK_E,
                 ),
             ),
@@ -621,10 +542,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     offsets_ptr,
                     out_ptr,
                     out_desc,
-                    q_ptr,
-                    q_scale_ptr,
-                    amax_ptr,
-                    done_ptr,
                     inter,
                     K,
                     num_experts,
@@ -636,7 +553,6 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     MODE,
                     ALPHA,
                     LIMIT,
-                    QUANT,
                     BLOCK_E,
                 ),
             ),
@@ -718,13 +634,6 @@ def launch(
     )
 
 
-def quant_scratch_numel(rows: int, inter: int, num_experts: int) -> int:
-    """int32 elements the gated kernel's fused quantization needs: an fp32
-    amax per row and N tile, then a counter per 64-row half of a row tile."""
-    halves = 2 * (triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows))
-    return rows * triton.cdiv(inter, BLOCK_N.value // 2) + halves
-
-
 def launch_gated(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -735,25 +644,14 @@ def launch_gated(
     expert_first_token_offset: torch.Tensor,
     activation: str,
     out: torch.Tensor,
-    quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Runs the gated kernel on arguments ``grouped_gemm_fp8_gated`` has
     checked (shapes, dtypes, TMA alignment of ``w13``) and
-    :func:`supports_gated`. With ``quant`` = (fp8 rows, fp32 row scales,
-    int32 scratch of :func:`quant_scratch_numel`) it also quantizes ``out``
-    per row."""
+    :func:`supports_gated`."""
     num_experts, w_n, k = w13.shape
     rows, inter = out.shape
     row_tiles = triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows)
     programs = min(num_sms(a.device), row_tiles * triton.cdiv(w_n, BLOCK_N.value))
-    if quant is None:
-        q, q_scale, amax, done = out, out, out, out  # not read without QUANT
-    else:
-        q, q_scale, scratch = quant
-        amax = scratch[: rows * triton.cdiv(inter, BLOCK_N.value // 2)]
-        done = scratch[amax.numel() : quant_scratch_numel(rows, inter, num_experts)]
-        amax = amax.view(torch.float32)
-        done.zero_()
     _grouped_gemm_fp8_gated_ws_kernel[(programs,)](
         a,
         a_scale,
@@ -763,10 +661,6 @@ def launch_gated(
         expert_first_token_offset,
         out,
         _descriptor(out, [BLOCK_M.value // 2, BLOCK_N.value // 2]),
-        q,
-        q_scale,
-        amax,
-        done,
         inter,
         k,
         num_experts,
@@ -774,7 +668,6 @@ def launch_gated(
         MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
-        QUANT=quant is not None,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )

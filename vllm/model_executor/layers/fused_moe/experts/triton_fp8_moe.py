@@ -10,10 +10,10 @@ intermediate in memory:
 2. the routes are sorted by local expert (``moe_prepare_scatter``);
 3. GEMM1 reads each row's token straight from workspace13 through the
    sort's destination -> route index and writes ``act(gate, up)`` [R, I]
-   into workspace2, quantized per row into workspace13 after the tokens
-   (on Hopper in GEMM1's epilogue, else in a second pass);
-4. GEMM2 writes its rows into workspace2 (the activation is dead by then);
-5. the unpermute reduces each token's top-k rows into the output.
+   into workspace2;
+4. that is quantized per row into workspace13 (the tokens are dead by then);
+5. GEMM2 writes its rows into workspace2 (the activation is dead by then);
+6. the unpermute reduces each token's top-k rows into the output.
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    RowQuant,
     deinterleave_gate_up,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
@@ -31,7 +30,6 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8_reference,
     interleave_gate_up,
 )
-from vllm.model_executor.kernels.grouped_gemm_fp8_ws import quant_scratch_numel
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
@@ -44,7 +42,6 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
-from vllm.v1.worker.workspace import align_up
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
@@ -75,15 +72,10 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
-        # workspace13: the M input tokens quantized, and after them the R
-        # activation rows (written while GEMM1 still reads the tokens).
-        workspace13 = align_up(fp8_rows_bytes(M, K)) + fp8_rows_bytes(rows, inter)
-        # workspace2: GEMM1's activation (16-bit) and its quantization
-        # scratch, then GEMM2's rows.
-        itemsize = self.moe.in_dtype.itemsize
-        gemm1 = align_up(rows * inter * itemsize)
-        gemm1 += 4 * quant_scratch_numel(rows, inter, local_num_experts)
-        workspace2 = max(gemm1, rows * K * itemsize)
+        # workspace13: the M input tokens quantized, then the R activation rows.
+        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
+        # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
+        workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
 
     def apply(
@@ -105,15 +97,6 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
         act = carve(workspace2, (rows, inter), output.dtype)
-        act_q, act_scale = carve_fp8_rows(
-            workspace13[align_up(fp8_rows_bytes(num_tokens, hidden)) :], rows, inter
-        )
-        quant_scratch = carve(
-            workspace2,
-            (quant_scratch_numel(rows, inter, moe.num_local_experts),),
-            torch.int32,
-            align_up(act.numel() * act.element_size()),
-        )
         cuda = hidden_states.is_cuda
         gated = grouped_gemm_fp8_gated if cuda else grouped_gemm_fp8_gated_reference
         gated(
@@ -126,8 +109,11 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             offsets,
             moe.activation,
             act,
-            quant=RowQuant(act_q, act_scale, quant_scratch),
         )
+        act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
+        # Rows past offsets[-1] (non-local routes) hold stale data: they are
+        # quantized too (their count is on the device) and never read again.
+        quant_rows_fp8(act, act_q, act_scale)
         down = carve(workspace2, (rows, hidden), output.dtype)
         gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
         gemm(act_q, act_scale, self.w2, self.w2_scale, offsets, down)
