@@ -1,3 +1,9 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -22,35 +28,89 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
 H200_SHARED_BYTES = 232448  # per block, opt-in maximum on sm90
 
 
-def test_compiles_for_sm90_without_a_gpu():
-    """The kernel builds for Hopper with the installed Triton (CI has no GPU
-    and a newer Triton than the H200 here) and fits its shared memory."""
-    rows, experts, n, k = 256, 4, 512, 256
-    a = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
-    w = torch.empty(experts * n, k, dtype=torch.float8_e4m3fn)
+def compile_for_sm90() -> None:
+    """Compiles both kernels for Hopper and prints, per kernel, whether its
+    PTX holds wgmma and its shared memory bytes (run by the test below in a
+    process of its own)."""
+    rows, experts, n, k, topk = 256, 4, 512, 256, 2
+    fp8 = torch.float8_e4m3fn
+    a, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    args = {
-        "a_desc": ws._descriptor(a, [ws.BLOCK_M.value, ws.BLOCK_K.value]),
-        "w_desc": ws._descriptor(w, [ws.BLOCK_N.value, ws.BLOCK_K.value]),
+    act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+    block = [ws.BLOCK_M.value, ws.BLOCK_K.value]
+    w_block = [ws.BLOCK_N.value, ws.BLOCK_K.value]
+    out_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]
+    act_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value // 2]
+    plain = {
+        "a_desc": ws._descriptor(a, block),
+        "w_desc": ws._descriptor(w, w_block),
         "a_scale_ptr": torch.empty(rows),
         "w_scale_ptr": torch.empty(experts * n),
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": out,
-        "out_desc": ws._descriptor(out, [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]),
+        "out_desc": ws._descriptor(out, out_block),
         "N": n,
         "K": k,
         "num_experts": experts,
     }
-    signature = {name: mangle_type(value) for name, value in args.items()}
-    signature["BLOCK_E"] = "constexpr"
-    source = GluonASTSource(
-        ws._grouped_gemm_fp8_ws_kernel, signature, constexprs={"BLOCK_E": experts}
+    gated = {
+        "a_ptr": a,
+        "a_scale_ptr": torch.empty(rows),
+        "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
+        "w_desc": ws._descriptor(w, w_block),
+        "w_scale_ptr": torch.empty(experts * n),
+        "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
+        "out_ptr": act,
+        "out_desc": ws._descriptor(act, act_block),
+        "inter": n // 2,
+        "K": k,
+        "num_experts": experts,
+        "topk": topk,
+    }
+    constexprs = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
+    for kernel, args, consts in (
+        (ws._grouped_gemm_fp8_ws_kernel, plain, {}),
+        (ws._grouped_gemm_fp8_gated_ws_kernel, gated, constexprs),
+    ):
+        consts = {**consts, "BLOCK_E": experts}
+        signature = {name: mangle_type(value) for name, value in args.items()}
+        signature |= dict.fromkeys(consts, "constexpr")
+        # As the launch specializes them: 16-byte aligned pointers and sizes.
+        aligned = {
+            (i,): [["tt.divisibility", 16]]
+            for i, (name, value) in enumerate(args.items())
+            if isinstance(value, torch.Tensor) or name in ("N", "K", "inter")
+        }
+        source = GluonASTSource(kernel, signature, constexprs=consts, attrs=aligned)
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+        )
+        print(
+            json.dumps(
+                ["wgmma.mma_async" in compiled.asm["ptx"], compiled.metadata.shared]
+            )
+        )
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """The kernels build for Hopper with the installed Triton (CI has no GPU
+    and a newer Triton than the H200 here) and fit its shared memory. In a
+    process of its own: TRITON_INTERPRET, which the CPU tests run under,
+    patches Triton's language for the kernels it runs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).parents[3]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    module = "tests.model_executor.kernels.test_grouped_gemm_fp8_ws"
+    code = f"from {module} import compile_for_sm90; compile_for_sm90()"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
     )
-    kernel = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
-    )
-    assert "wgmma.mma_async" in kernel.asm["ptx"]
-    assert 0 < kernel.metadata.shared <= H200_SHARED_BYTES
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(kernels) == 2
+    for has_wgmma, shared in kernels:
+        assert has_wgmma
+        assert 0 < shared <= H200_SHARED_BYTES
 
 
 def test_not_taken_off_hopper():
