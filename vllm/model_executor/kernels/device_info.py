@@ -1,4 +1,4 @@
-"""Device facts the kernel launchers size their grids by."""
+"""Device facts the kernel launchers size their grids and pick kernels by."""
 
 from __future__ import annotations
 
@@ -22,3 +22,16 @@ def num_sms(device: torch.device) -> int:
 @functools.cache  # host time per GEMM call matters; SM counts never change
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability of ``device`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_capability(index)
+
+
+@functools.cache  # asked on every GEMM call; never changes
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -42,7 +42,7 @@ from vllm.model_executor.kernels.activation_quant import (
     SWIGLU_LIMIT,
     gated_act,
 )
-from vllm.model_executor.kernels.device_info import num_sms
+from vllm.model_executor.kernels.device_info import capability, num_sms
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.
@@ -590,12 +590,7 @@ def supports_gated(a: torch.Tensor, inter: int, out: torch.Tensor) -> bool:
 def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
     """Whether this kernel can run the call: a Hopper GPU (sm90), and an
     ``out`` whose rows a TMA box can store (16-byte aligned start and rows)."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) == (9, 0)
-        and n % 8 == 0
-        and out.data_ptr() % 16 == 0
-    )
+    return capability(device) == (9, 0) and n % 8 == 0 and out.data_ptr() % 16 == 0
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
