@@ -27,7 +27,6 @@ from benchmarks.kernels.bench_utils import (
     time_graph_us,
     write_results,
 )
-from vllm.model_executor.kernels import grouped_gemm_fp8_ws
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
@@ -35,6 +34,8 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     default_gated_config,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
+    takes_gluon,
+    takes_gluon_gated,
 )
 
 SWEEP = {
@@ -124,18 +125,18 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
         "gate_up": (
             gate_up,
             default_gated_config(rows, experts),
-            grouped_gemm_fp8_ws.supports_gated(a, inter, act),
+            takes_gluon_gated(a, w13, act),
             (a_perm, w13, a_scale[src_routes.long() // topk], w13_scale),
         ),
         "down": (
             down_proj,
             default_config(rows, experts),
-            grouped_gemm_fp8_ws.supports(down.device, hidden, down),
+            takes_gluon(act_q, w2, down),
             (act_q, w2, act_scale, w2_scale),
         ),
     }
     results = []
-    for gemm, (run, default, ws_ok, (x, w, x_s, w_s)) in gemms.items():
+    for gemm, (run, default, gluon, (x, w, x_s, w_s)) in gemms.items():
 
         def torch_step(_: int, x=x, w=w, x_s=x_s, w_s=w_s) -> None:
             torch._scaled_grouped_mm(
@@ -144,9 +145,8 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
 
         torch_us = time_graph_us(torch_step, iters)
         flops = 2 * rows * w.shape[1] * w.shape[2]
-        # None: the launcher's choice, the Gluon kernel where it applies.
-        takes_ws = ws_ok and default.block_m == grouped_gemm_fp8_ws.BLOCK_M.value
-        configs: list[GroupedGemmConfig | None] = [None] if takes_ws else []
+        # None: the launcher's choice, where it is the Gluon kernel.
+        configs: list[GroupedGemmConfig | None] = [None] if gluon else []
         configs += SWEEP[gemm] if args.sweep else [default]
         for config in configs:
 

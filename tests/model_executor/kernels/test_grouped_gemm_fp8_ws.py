@@ -1,18 +1,19 @@
+import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 
 from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     POISON,
+    GatedProblem,
+    Problem,
     gated_problem,
     problem,
 )
@@ -23,15 +24,25 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
+    takes_gluon,
+    takes_gluon_gated,
 )
 
 H200_SHARED_BYTES = 232448  # per block, opt-in maximum on sm90
 
 
+COMPILED = "compiled for sm90:"
+
+
 def compile_for_sm90() -> None:
-    """Compiles both kernels for Hopper and prints, per kernel, whether its
-    PTX holds wgmma and its shared memory bytes (run by the test below in a
-    process of its own)."""
+    """Compiles both kernels for Hopper, with 4 and 256 experts, and prints
+    per build whether its PTX holds wgmma and its shared memory bytes (run
+    by the test below in a process of its own)."""
+    # Triton internals: imported here, so that a move fails this test only.
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
     rows, experts, n, k, topk = 256, 4, 512, 256, 2
     fp8 = torch.float8_e4m3fn
     a, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
@@ -68,11 +79,14 @@ def compile_for_sm90() -> None:
         "topk": topk,
     }
     constexprs = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
-    for kernel, args, consts in (
-        (ws._grouped_gemm_fp8_ws_kernel, plain, {}),
-        (ws._grouped_gemm_fp8_gated_ws_kernel, gated, constexprs),
+    for (kernel, args, consts), block_e in itertools.product(
+        (
+            (ws._grouped_gemm_fp8_ws_kernel, plain, {}),
+            (ws._grouped_gemm_fp8_gated_ws_kernel, gated, constexprs),
+        ),
+        (experts, 256),
     ):
-        consts = {**consts, "BLOCK_E": experts}
+        consts = {**consts, "BLOCK_E": block_e}
         signature = {name: mangle_type(value) for name, value in args.items()}
         signature |= dict.fromkeys(consts, "constexpr")
         # As the launch specializes them: 16-byte aligned pointers and sizes.
@@ -85,11 +99,8 @@ def compile_for_sm90() -> None:
         compiled = triton.compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
         )
-        print(
-            json.dumps(
-                ["wgmma.mma_async" in compiled.asm["ptx"], compiled.metadata.shared]
-            )
-        )
+        wgmma = "wgmma.mma_async" in compiled.asm["ptx"]
+        print(COMPILED, json.dumps([wgmma, compiled.metadata.shared]))
 
 
 def test_compiles_for_sm90_without_a_gpu():
@@ -103,11 +114,17 @@ def test_compiles_for_sm90_without_a_gpu():
     module = "tests.model_executor.kernels.test_grouped_gemm_fp8_ws"
     code = f"from {module} import compile_for_sm90; compile_for_sm90()"
     run = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    kernels = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(kernels) == 2
+    lines = run.stdout.splitlines()
+    kernels = [json.loads(x[len(COMPILED) :]) for x in lines if x.startswith(COMPILED)]
+    assert len(kernels) == 4
     for has_wgmma, shared in kernels:
         assert has_wgmma
         assert 0 < shared <= H200_SHARED_BYTES
@@ -122,18 +139,42 @@ needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm90 GPU",
 )
+HALF_BOUNDARIES = [64, 65, 63, 128, 129, 0, 5, 300]  # full, partial, empty halves
+
+
+def counted_gated_problem(
+    counts: list[int], inter: int, k: int, spare_rows: int = 0
+) -> GatedProblem:
+    """gated_problem with ``counts`` routes per expert (top-1, so a route is
+    its token), the routes shuffled over the tokens, and ``spare_rows``
+    past the last expert's end whose routes must never be read."""
+    experts = len(counts)
+    ids = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    ids = ids[torch.randperm(ids.numel())].cuda()
+    a = (torch.randn(ids.numel(), k, device="cuda") * 2).to(torch.float8_e4m3fn)
+    a_scale = torch.rand(ids.numel(), device="cuda") + 0.1
+    src_routes = torch.full((ids.numel() + spare_rows,), 2**30, device="cuda")
+    src_routes[: ids.numel()] = torch.sort(ids, stable=True).indices
+    offsets = torch.tensor([0, *counts], device="cuda").cumsum(0)
+    w13 = (torch.randn(experts, 2 * inter, k, device="cuda") * 2).to(
+        torch.float8_e4m3fn
+    )
+    w13_scale = torch.rand(experts, 2 * inter, device="cuda") / k + 1e-3
+    return a, a_scale, src_routes.int(), 1, w13, w13_scale, offsets
+
+
+def model_gemm2(tokens: int, experts: int = 128) -> Problem:
+    """qwen3-30b-a3b GEMM2 operands (N 2048, K 768, top-8), uneven routing."""
+    ids = torch.randint(0, experts, (tokens * 8,))
+    counts = torch.bincount(ids, minlength=experts).tolist()
+    return problem(counts, 2048, 768, torch.device("cuda"), spare_rows=0)
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
     "counts",
-    [
-        [1],
-        [0, 70, 130, 1],  # empty first expert, halves with 6 and 2 rows
-        [64, 65, 63, 128, 129, 0, 5, 300],  # exactly full halves and tiles
-        [0, 0, 0],
-    ],
+    [[1], [0, 70, 130, 1], HALF_BOUNDARIES, [0, 0, 0]],
     ids=["one-row", "uneven", "half-boundaries", "empty"],
 )
 @pytest.mark.parametrize(
@@ -158,23 +199,78 @@ def test_matches_reference(counts, n, k, dtype):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("tokens", [1024, 8192])
-def test_launcher_takes_it_at_model_dims(tokens, monkeypatch):
-    """qwen3-30b-a3b GEMM2 (N 2048, K 768, 128 experts, top-8): the launcher
-    picks this kernel for 128-row tiles, and it agrees with the Triton one."""
+@pytest.mark.parametrize("tokens,experts", [(1024, 128), (8192, 128), (4096, 256)])
+def test_launcher_takes_it_and_matches_triton_bitwise(tokens, experts):
+    """GEMM2 at model dims (and 256 experts): the launcher picks this kernel
+    for 128-row tiles; its output equals the Triton kernel's bit for bit
+    (same K order) and the same on every call."""
     torch.manual_seed(tokens)
-    ids = torch.randint(0, 128, (tokens * 8,))
-    counts = torch.bincount(ids, minlength=128).tolist()
-    inputs = problem(counts, 2048, 768, torch.device("cuda"), spare_rows=0)
-    launched: list[None] = []
-    launch = ws.launch
-    monkeypatch.setattr(ws, "launch", lambda *args: launched.append(launch(*args)))
+    inputs = model_gemm2(tokens, experts)
     out = torch.full((tokens * 8, 2048), POISON, device="cuda", dtype=torch.bfloat16)
-    grouped_gemm_fp8(*inputs, out)
-    assert len(launched) == (tokens * 8 > 64 * 128)
+    with mock.patch.object(ws, "launch", wraps=ws.launch) as launch:
+        grouped_gemm_fp8(*inputs, out)
+    assert launch.call_count == (tokens * 8 > 64 * experts)
     triton_out = torch.full_like(out, POISON)
     grouped_gemm_fp8(*inputs, triton_out, GroupedGemmConfig(128, 256, 128, 8, 4))
-    torch.testing.assert_close(out, triton_out, rtol=1e-3, atol=1e-3)
+    assert torch.equal(out, triton_out)
+    again = torch.full_like(out, POISON)
+    for _ in range(4):
+        grouped_gemm_fp8(*inputs, again)
+        assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cuda_graph_replay_follows_the_routing():
+    """Captured once, replayed with other offsets (same row count): equals
+    eager calls, so nothing of the first routing is baked in."""
+    torch.manual_seed(7)
+    a, a_scale, w, w_scale, offsets = model_gemm2(2048)
+    out = torch.full((a.shape[0], 2048), POISON, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out)  # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        counts = torch.bincount(torch.randint(0, 128, (a.shape[0],)), minlength=128)
+        offsets[1:] = counts.cumsum(0)
+        graph.replay()
+        eager = torch.full_like(out, POISON)
+        grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, eager)
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_unsupported_calls_take_the_triton_kernels():
+    """N not a multiple of 8, an ``out`` or gathered ``a`` off 16-byte
+    alignment: the Triton kernels run, with the same results."""
+    torch.manual_seed(2)
+    inputs = model_gemm2(2048)
+    rows = inputs[0].shape[0]
+    ref = grouped_gemm_fp8_reference(
+        *inputs, torch.empty(rows, 2048, device="cuda", dtype=torch.bfloat16)
+    )
+    flat = torch.empty(rows * 2048 + 1, device="cuda", dtype=torch.bfloat16)
+    shifted = flat[1:].view(rows, 2048)  # 2-byte aligned
+    assert not takes_gluon(inputs[0], inputs[2], shifted)
+    grouped_gemm_fp8(*inputs, shifted)
+    torch.testing.assert_close(shifted, ref, rtol=1.6e-2, atol=1e-2)
+    narrow = torch.empty(rows, 2044, device="cuda", dtype=torch.bfloat16)
+    assert not takes_gluon(inputs[0], inputs[2][:, :2044], narrow)
+    gated = counted_gated_problem([300, 200], 128, 256)
+    a_bytes = torch.empty(gated[0].numel() + 8, device="cuda", dtype=torch.uint8)
+    a_off = a_bytes[8:].view(gated[0].dtype).view(gated[0].shape)
+    a_off.copy_(gated[0])
+    act = torch.empty(500, 128, device="cuda", dtype=torch.bfloat16)
+    assert takes_gluon_gated(gated[0], gated[4], act)
+    assert not takes_gluon_gated(a_off, gated[4], act)
+    grouped_gemm_fp8_gated(a_off, *gated[1:], "silu", act)
+    ref_act = grouped_gemm_fp8_gated_reference(*gated, "silu", torch.empty_like(act))
+    torch.testing.assert_close(act, ref_act, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
@@ -187,6 +283,7 @@ def test_launcher_takes_it_at_model_dims(tokens, monkeypatch):
         (60, 3, 2, 200, 176, 9),  # partial gate/up tile and K step; non-local routes
         (300, 8, 16, 768, 2048, 0),  # model dims, ~150 rows per expert
         (40, 4, 3, 64, 48, 0),  # fewer gate/up columns than a tile
+        (64, 8, 256, 128, 128, 0),  # 256 experts
     ],
     ids=str,
 )
@@ -212,20 +309,38 @@ def test_gated_matches_reference(
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gated_launcher_takes_it_at_model_dims(monkeypatch):
-    """qwen3-30b-a3b GEMM1 at 8192 tokens: the launcher picks this kernel,
-    and it agrees with the Triton one."""
+@pytest.mark.parametrize(
+    "counts", [HALF_BOUNDARIES, [200], [0, 0, 0]], ids=["halves", "one-expert", "empty"]
+)
+def test_gated_half_boundaries(counts):
+    """Explicit row counts: halves that are full, one row short or over,
+    empty experts, a single expert, no rows at all (top-1)."""
+    torch.manual_seed(len(counts))
+    inputs = counted_gated_problem(counts, 200, 176, spare_rows=5)
+    out = torch.full((sum(counts) + 5, 200), POISON, device="cuda").bfloat16()
+    ref = torch.full_like(out, POISON)
+    ws.launch_gated(*inputs, "silu", out)
+    grouped_gemm_fp8_gated_reference(*inputs, "silu", ref)
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    assert bool((out[sum(counts) :] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gated_launcher_takes_it_and_matches_triton_bitwise():
+    """qwen3-30b-a3b GEMM1 at 8192 tokens: the launcher picks this kernel;
+    bit for bit the Triton kernel's output, on every call."""
     torch.manual_seed(0)
     inputs = gated_problem(8192, 8, 128, 768, 2048, "cuda")
-    launched: list[None] = []
-    launch = ws.launch_gated
-    monkeypatch.setattr(
-        ws, "launch_gated", lambda *args: launched.append(launch(*args))
-    )
     out = torch.full((8192 * 8, 768), POISON, device="cuda", dtype=torch.bfloat16)
-    grouped_gemm_fp8_gated(*inputs, "silu", out)
-    assert len(launched) == 1
+    with mock.patch.object(ws, "launch_gated", wraps=ws.launch_gated) as launch:
+        grouped_gemm_fp8_gated(*inputs, "silu", out)
+    launch.assert_called_once()
     triton_out = torch.full_like(out, POISON)
     config = GroupedGemmConfig(128, 128, 128, 8, 4)
     grouped_gemm_fp8_gated(*inputs, "silu", triton_out, config)
-    torch.testing.assert_close(out, triton_out, rtol=1e-3, atol=1e-3)
+    assert torch.equal(out, triton_out)
+    again = torch.full_like(out, POISON)
+    for _ in range(4):
+        grouped_gemm_fp8_gated(*inputs, "silu", again)
+        assert torch.equal(again, out)

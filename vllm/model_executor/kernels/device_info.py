@@ -35,3 +35,13 @@ def capability(device: torch.device) -> tuple[int, int] | None:
 @functools.cache  # asked on every GEMM call; never changes
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def persistent_programs(
+    device: torch.device, rows: int, num_experts: int, block_m: int, n_tiles: int
+) -> int:
+    """Programs of a persistent grouped GEMM: one per SM at most, and no more
+    than its (row tile, N tile) pairs can need. At most min(E, R) experts
+    have rows, each with one partial row tile."""
+    row_tiles = -(-rows // block_m) + min(num_experts, rows)
+    return min(num_sms(device), row_tiles * n_tiles)

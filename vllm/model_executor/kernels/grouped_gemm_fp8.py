@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vllm.model_executor.kernels import grouped_gemm_fp8_ws
 from vllm.model_executor.kernels.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
@@ -40,7 +39,12 @@ from vllm.model_executor.kernels.activation_quant import (
     gated_act_reference,
 )
 from vllm.model_executor.kernels.checks import check_contiguous
-from vllm.model_executor.kernels.device_info import num_sms
+from vllm.model_executor.kernels.device_info import persistent_programs
+
+try:
+    from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
+except (ImportError, AttributeError):  # Gluon is experimental: names move
+    gluon_ws = None  # type: ignore[assignment]
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -241,13 +245,37 @@ def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     return GroupedGemmConfig(128, 128, 128, 8, 4)
 
 
-def _num_programs(
-    device: torch.device, rows: int, num_experts: int, block_m: int, n_tiles: int
-) -> int:
-    # Persistent: one program per SM at most, and no more than the tiles can
-    # need. At most min(E, R) experts have rows, each with one partial tile.
-    row_tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
-    return min(num_sms(device), row_tiles * n_tiles)
+def takes_gluon(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    config: GroupedGemmConfig | None = None,
+) -> bool:
+    """Whether :func:`grouped_gemm_fp8` runs the Hopper Gluon kernel here:
+    no explicit ``config``, 128-row default tiles, a call it supports."""
+    cfg = config or default_config(a.shape[0], w.shape[0])
+    return (
+        gluon_ws is not None
+        and config is None
+        and cfg.block_m == gluon_ws.BLOCK_M.value
+        and gluon_ws.supports(a.device, w.shape[1], out)
+    )
+
+
+def takes_gluon_gated(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    out: torch.Tensor,
+    config: GroupedGemmConfig | None = None,
+) -> bool:
+    """:func:`takes_gluon` for :func:`grouped_gemm_fp8_gated`."""
+    cfg = config or default_gated_config(out.shape[0], w13.shape[0])
+    return (
+        gluon_ws is not None
+        and config is None
+        and cfg.block_m == gluon_ws.BLOCK_M.value
+        and gluon_ws.supports_gated(a, out.shape[1], out)
+    )
 
 
 def _check_tma(name: str, t: torch.Tensor) -> None:
@@ -304,8 +332,9 @@ def grouped_gemm_fp8(
     host sync and no allocation (CUDA-graph capturable).
 
     Without a ``config``, 128-row tiles on Hopper run the warp-specialized
-    kernel (:mod:`grouped_gemm_fp8_ws`), which halves the cost of half-empty
-    tiles at expert boundaries; a ``config`` always runs this module's."""
+    kernel (:mod:`grouped_gemm_fp8_ws`, :func:`takes_gluon`), which halves
+    the cost of half-empty tiles at expert boundaries; a ``config`` always
+    runs this module's."""
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)
     if a.shape[0] == 0 or w.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
@@ -313,17 +342,11 @@ def grouped_gemm_fp8(
     _check_tma("w", w)
     num_experts, n, k = w.shape
     rows = a.shape[0]
-    cfg = config or default_config(rows, num_experts)
-    if (
-        config is None
-        and cfg.block_m == grouped_gemm_fp8_ws.BLOCK_M.value
-        and grouped_gemm_fp8_ws.supports(a.device, n, out)
-    ):
-        grouped_gemm_fp8_ws.launch(
-            a, a_scale, w, w_scale, expert_first_token_offset, out
-        )
+    if gluon_ws is not None and takes_gluon(a, w, out, config):
+        gluon_ws.launch(a, a_scale, w, w_scale, expert_first_token_offset, out)
         return out
-    programs = _num_programs(
+    cfg = config or default_config(rows, num_experts)
+    programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(n, cfg.block_n)
     )
     _grouped_gemm_fp8_kernel[(programs,)](
@@ -425,13 +448,8 @@ def grouped_gemm_fp8_gated(
         return out
     _check_tma("w13", w13)
     num_experts, _, k = w13.shape
-    cfg = config or default_gated_config(rows, num_experts)
-    if (
-        config is None
-        and cfg.block_m == grouped_gemm_fp8_ws.BLOCK_M.value
-        and grouped_gemm_fp8_ws.supports_gated(a, inter, out)
-    ):
-        grouped_gemm_fp8_ws.launch_gated(
+    if gluon_ws is not None and takes_gluon_gated(a, w13, out, config):
+        gluon_ws.launch_gated(
             a,
             a_scale,
             src_routes,
@@ -443,7 +461,8 @@ def grouped_gemm_fp8_gated(
             out,
         )
         return out
-    programs = _num_programs(
+    cfg = config or default_gated_config(rows, num_experts)
+    programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(inter, cfg.block_n)
     )
     _grouped_gemm_fp8_gated_kernel[(programs,)](

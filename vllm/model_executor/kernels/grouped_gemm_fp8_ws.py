@@ -1,14 +1,16 @@
-"""Warp-specialized FP8 grouped GEMM for Hopper (Gluon): the sm90 path of
-:func:`~vllm.model_executor.kernels.grouped_gemm_fp8.grouped_gemm_fp8` for
-128-row tiles.
+"""Warp-specialized FP8 grouped GEMMs for Hopper (Gluon): the sm90 path of
+:func:`~vllm.model_executor.kernels.grouped_gemm_fp8.grouped_gemm_fp8` and
+``grouped_gemm_fp8_gated`` for 128-row tiles.
 
-Same contract as the Triton kernel (per-row and per-channel scales, the
+Same contracts as the Triton kernels (per-row and per-channel scales, the
 permute's expert offsets, rows at or past ``offsets[E]`` never written), laid
 out with explicit warp roles, which Triton's ``tl.dot`` pipeline cannot
 express:
 
-- one loader warp streams A rows and weight rows through a ring of TMA boxes
-  (``STAGES`` deep, a ready and an empty mbarrier per slot);
+- a loader partition fills a ring of ``STAGES`` slots (a ready and an empty
+  mbarrier each): one warp issuing TMA boxes for A rows and weight rows, or
+  for the gated GEMM four warps gathering each row's token with 16-byte
+  ``cp.async`` copies beside the weights' TMA box;
 - two 4-warp consumer warpgroups each own 64 rows of the 128-row tile and
   share its weight box. The second skips its MMAs when its rows lie past the
   expert's end, so the last tile of an expert costs half when it is at most
@@ -21,6 +23,8 @@ N tile) order, and all three partitions derive it from the offsets.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -42,7 +46,7 @@ from vllm.model_executor.kernels.activation_quant import (
     SWIGLU_LIMIT,
     gated_act,
 )
-from vllm.model_executor.kernels.device_info import capability, num_sms
+from vllm.model_executor.kernels.device_info import capability, persistent_programs
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.
@@ -55,7 +59,21 @@ _cp_async = (
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
 BLOCK_N = gl.constexpr(256)
 BLOCK_K = gl.constexpr(128)
-STAGES = gl.constexpr(3)  # 3 x 48 KiB of boxes + 2 x 32 KiB of store staging
+# 3 x 48 KiB of boxes + store staging (2 x 32 KiB, gated 2 x 16 KiB).
+STAGES = gl.constexpr(3)
+SUB = gl.constexpr(64)  # rows per consumer warpgroup
+# A consumer's 64 x BLOCK_N fp32 accumulator, one wgmma warpgroup.
+ACC_LAYOUT = gl.constexpr(
+    gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N.value, 32]
+    )
+)
+# Registers per thread: the consumers hold their accumulator (128) and
+# epilogue; the loaders the per-expert tile table. ptxas -v (Triton 3.6):
+# no spills in the plain kernel at 128 experts, 4 bytes at 256; 64-80 bytes
+# in the gated one, on the once-per-tile path (other splits spill more).
+CONSUMER_REGS = gl.constexpr(232)
+LOADER_REGS = gl.constexpr(40)
 
 _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
@@ -66,7 +84,7 @@ _GL_DTYPES = {
 
 # The activation as the Triton GEMMs apply it, compiled as Gluon.
 _gated_act = gluon.jit(gated_act.fn)
-LOADER_WARPS = gl.constexpr(4)  # the gated GEMM's row gather: 16 bytes per thread
+GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
 
 
 @gluon.jit
@@ -112,11 +130,7 @@ def _mainloop(
 ):
     """This warpgroup's 64 x BLOCK_N accumulator over K, from the ring slots
     ``step``, ``step + 1``, ...; returns it and the next step."""
-    SUB: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-    )
-    acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
+    acc = gl.zeros((SUB, BLOCK_N), gl.float32, ACC_LAYOUT)
     prev_slot = 0
     for k in range(0, K, BLOCK_K):
         slot = step % STAGES
@@ -206,10 +220,6 @@ def _consumer(
     HALF: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    SUB: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-    )
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 4
@@ -224,9 +234,9 @@ def _consumer(
         if first_row < row_end:
             acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, False)
 
-            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
             cols = n_tile * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
+                0, BLOCK_N, layout=gl.SliceLayout(0, ACC_LAYOUT)
             )
             a_scale = gl.load(a_scale_ptr + rows, mask=rows < row_end, other=0.0)
             w_scale = gl.load(w_scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
@@ -331,7 +341,7 @@ def _grouped_gemm_fp8_ws_kernel(
             ),
         ],
         [4, 1],  # the second consumer warpgroup, the loader warp
-        [232, 24],  # registers: a 64 x 256 fp32 accumulator; addresses only
+        [CONSUMER_REGS, LOADER_REGS],
     )
 
 
@@ -354,9 +364,9 @@ def _gather_loader(
     """The gated GEMM's loader: each row's token from the unpermuted input by
     cp.async (rows past the expert's end and K read as zeros), the weight
     rows by TMA; the slot is ready when both have landed."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [LOADER_WARPS, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [GATHER_WARPS, 1], [1, 0])
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
-        offsets_ptr, num_experts, BLOCK_E, LOADER_WARPS
+        offsets_ptr, num_experts, BLOCK_E, GATHER_WARPS
     )
     n_tiles = (W_N + BLOCK_N - 1) // BLOCK_N
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
@@ -378,7 +388,7 @@ def _gather_loader(
                 mask=row_ok[:, None] & (cols + k < K)[None, :],
             )
             # Each thread's arrival waits for its copies (one of the
-            # LOADER_WARPS * 32 + 1 arrivals the slot expects).
+            # GATHER_WARPS * 32 + 1 arrivals the slot expects).
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             mbarrier.expect(ready.index(slot), BLOCK_N * BLOCK_K)
             _tma_load(
@@ -412,11 +422,7 @@ def _gated_consumer(
     LIMIT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    SUB: gl.constexpr = BLOCK_M // 2
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-    )
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, OUT_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
@@ -432,12 +438,12 @@ def _gated_consumer(
         if first_row < row_end:
             acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, True)
 
-            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
+            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
             row_ok = rows < row_end
             tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
             a_scale = gl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
             w_rows = n_tile * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
+                0, BLOCK_N, layout=gl.SliceLayout(0, ACC_LAYOUT)
             )
             w_scale = gl.load(
                 w_scale_ptr + expert * 2 * inter + w_rows,
@@ -503,7 +509,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32 + 1)
+        mbarrier.init(ready.index(i), count=GATHER_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)
         mbarrier.arrive(empty.index(i), count=2)
     gl.warp_specialize(
@@ -575,8 +581,8 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                 ),
             ),
         ],
-        [4, LOADER_WARPS],
-        [232, 40],
+        [4, GATHER_WARPS],
+        [CONSUMER_REGS, LOADER_REGS],
     )
 
 
@@ -593,9 +599,13 @@ def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
     return capability(device) == (9, 0) and n % 8 == 0 and out.data_ptr() % 16 == 0
 
 
+@functools.cache  # building the layout costs ~6 us of host time per call
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
 def launch(
@@ -609,10 +619,9 @@ def launch(
     """Runs the kernel on arguments ``grouped_gemm_fp8`` has checked (shapes,
     dtypes, TMA alignment of ``a`` and ``w``) and :func:`supports`."""
     num_experts, n, k = w.shape
-    rows = a.shape[0]
-    # At most min(E, R) experts have rows, each with one partial tile.
-    row_tiles = triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows)
-    programs = min(num_sms(a.device), row_tiles * triton.cdiv(n, BLOCK_N.value))
+    programs = persistent_programs(
+        a.device, a.shape[0], num_experts, BLOCK_M.value, triton.cdiv(n, BLOCK_N.value)
+    )
     _grouped_gemm_fp8_ws_kernel[(programs,)](
         _descriptor(a, [BLOCK_M.value, BLOCK_K.value]),
         _descriptor(w.view(-1, k), [BLOCK_N.value, BLOCK_K.value]),
@@ -620,7 +629,7 @@ def launch(
         w_scale,
         expert_first_token_offset,
         out,
-        _descriptor(out, [BLOCK_M.value // 2, BLOCK_N.value]),
+        _descriptor(out, [SUB.value, BLOCK_N.value]),
         n,
         k,
         num_experts,
@@ -645,8 +654,9 @@ def launch_gated(
     :func:`supports_gated`."""
     num_experts, w_n, k = w13.shape
     rows, inter = out.shape
-    row_tiles = triton.cdiv(rows, BLOCK_M.value) + min(num_experts, rows)
-    programs = min(num_sms(a.device), row_tiles * triton.cdiv(w_n, BLOCK_N.value))
+    programs = persistent_programs(
+        a.device, rows, num_experts, BLOCK_M.value, triton.cdiv(w_n, BLOCK_N.value)
+    )
     _grouped_gemm_fp8_gated_ws_kernel[(programs,)](
         a,
         a_scale,
@@ -655,7 +665,7 @@ def launch_gated(
         w13_scale,
         expert_first_token_offset,
         out,
-        _descriptor(out, [BLOCK_M.value // 2, BLOCK_N.value // 2]),
+        _descriptor(out, [SUB.value, BLOCK_N.value // 2]),
         inter,
         k,
         num_experts,
