@@ -74,6 +74,7 @@ ACC_LAYOUT = gl.constexpr(
 # in the gated one, on the once-per-tile path (other splits spill more).
 CONSUMER_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
+GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
 
 _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
@@ -84,7 +85,6 @@ _GL_DTYPES = {
 
 # The activation as the Triton GEMMs apply it, compiled as Gluon.
 _gated_act = gluon.jit(gated_act.fn)
-GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
 
 
 @gluon.jit
