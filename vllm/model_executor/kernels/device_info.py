@@ -11,12 +11,13 @@ import torch
 CPU_SMS = 8
 
 
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (``CPU_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return CPU_SMS
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_sms(index)
+    return _cuda_sms(_index(device)) if device.type == "cuda" else CPU_SMS
 
 
 @functools.cache  # host time per GEMM call matters; SM counts never change
@@ -26,10 +27,7 @@ def _cuda_sms(index: int) -> int:
 
 def capability(device: torch.device) -> tuple[int, int] | None:
     """CUDA compute capability of ``device`` (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_capability(index)
+    return _cuda_capability(_index(device)) if device.type == "cuda" else None
 
 
 @functools.cache  # asked on every GEMM call; never changes

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
 from vllm.model_executor.kernels.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
@@ -40,11 +41,6 @@ from vllm.model_executor.kernels.activation_quant import (
 )
 from vllm.model_executor.kernels.checks import check_contiguous
 from vllm.model_executor.kernels.device_info import persistent_programs
-
-try:
-    from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
-except (ImportError, AttributeError):  # Gluon is experimental: names move
-    gluon_ws = None  # type: ignore[assignment]
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -245,6 +241,11 @@ def default_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
     return GroupedGemmConfig(128, 128, 128, 8, 4)
 
 
+def _gluon_tiles(config: GroupedGemmConfig | None, default: GroupedGemmConfig) -> bool:
+    # The Gluon kernels replace the default 128-row tiles, never a config.
+    return config is None and default.block_m == gluon_ws.BLOCK_M.value
+
+
 def takes_gluon(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -253,13 +254,9 @@ def takes_gluon(
 ) -> bool:
     """Whether :func:`grouped_gemm_fp8` runs the Hopper Gluon kernel here:
     no explicit ``config``, 128-row default tiles, a call it supports."""
-    cfg = config or default_config(a.shape[0], w.shape[0])
-    return (
-        gluon_ws is not None
-        and config is None
-        and cfg.block_m == gluon_ws.BLOCK_M.value
-        and gluon_ws.supports(a.device, w.shape[1], out)
-    )
+    return _gluon_tiles(
+        config, default_config(a.shape[0], w.shape[0])
+    ) and gluon_ws.supports(a.device, w.shape[1], out)
 
 
 def takes_gluon_gated(
@@ -269,13 +266,9 @@ def takes_gluon_gated(
     config: GroupedGemmConfig | None = None,
 ) -> bool:
     """:func:`takes_gluon` for :func:`grouped_gemm_fp8_gated`."""
-    cfg = config or default_gated_config(out.shape[0], w13.shape[0])
-    return (
-        gluon_ws is not None
-        and config is None
-        and cfg.block_m == gluon_ws.BLOCK_M.value
-        and gluon_ws.supports_gated(a, out.shape[1], out)
-    )
+    return _gluon_tiles(
+        config, default_gated_config(out.shape[0], w13.shape[0])
+    ) and gluon_ws.supports_gated(a, out.shape[1], out)
 
 
 def _check_tma(name: str, t: torch.Tensor) -> None:
@@ -342,7 +335,7 @@ def grouped_gemm_fp8(
     _check_tma("w", w)
     num_experts, n, k = w.shape
     rows = a.shape[0]
-    if gluon_ws is not None and takes_gluon(a, w, out, config):
+    if takes_gluon(a, w, out, config):
         gluon_ws.launch(a, a_scale, w, w_scale, expert_first_token_offset, out)
         return out
     cfg = config or default_config(rows, num_experts)
@@ -448,7 +441,7 @@ def grouped_gemm_fp8_gated(
         return out
     _check_tma("w13", w13)
     num_experts, _, k = w13.shape
-    if gluon_ws is not None and takes_gluon_gated(a, w13, out, config):
+    if takes_gluon_gated(a, w13, out, config):
         gluon_ws.launch_gated(
             a,
             a_scale,
