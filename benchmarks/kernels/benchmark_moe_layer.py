@@ -8,7 +8,8 @@ of the same routing:
   them (1 - GEMMs / layer): ``torch._grouped_mm`` for bf16,
   ``_scaled_grouped_mm`` for cutlass, the Triton kernels for triton_fp8
   (whose GEMM1 has the gather and the activation fused in, so outside them
-  are the two quantizations, the sort and the unpermute);
+  are the input quantization, the sort, the unpermute and, where GEMM1 does
+  not quantize its own output, the activation's quantization);
 - torch's grouped GEMMs alone (``_grouped_mm`` / ``_scaled_grouped_mm``), the
   alternative a user would pick, for every bf16 and FP8 per-token layer.
 
@@ -38,6 +39,9 @@ from benchmarks.kernels.bench_utils import (
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
+    quantize_groups_reference,
+    takes_gluon,
+    takes_gluon_gated,
 )
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -198,13 +202,24 @@ def triton_fp8_gemms(
     src_routes: torch.Tensor,
     offsets: torch.Tensor,
 ) -> Callable[[int], None]:
-    """The layer's two GEMMs: GEMM1 with its gather and activation, GEMM2."""
+    """The layer's two GEMMs as it runs them: GEMM1 with its gather and
+    activation (quantized in groups where both take the Hopper kernels),
+    GEMM2."""
     moe = experts.moe
     rows, inter = src_routes.shape[0], moe.intermediate_size
     a_q, a_scale = per_token_quant_fp8(hidden)
-    act = torch.empty(rows, inter, device=hidden.device, dtype=hidden.dtype)
-    act_q, act_scale = per_token_quant_fp8(act.normal_())
+    act = torch.randn(rows, inter, device=hidden.device, dtype=hidden.dtype)
     down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=hidden.dtype)
+    act_q, act_scale = quantize_groups_reference(act.float())
+    gemm1_scale: torch.Tensor | None
+    gemm1_out, gemm1_scale = act_q, act_scale
+    if not (
+        takes_gluon_gated(a_q, experts.w13, act_q)
+        and takes_gluon(act_q, experts.w2, down)
+    ):
+        act_q, act_scale = per_token_quant_fp8(act)
+        act_scale = act_scale.view(-1)
+        gemm1_out, gemm1_scale = act, None
 
     def step(it: int) -> None:
         grouped_gemm_fp8_gated(
@@ -216,11 +231,10 @@ def triton_fp8_gemms(
             experts.w13_scale,
             offsets,
             moe.activation,
-            act,
+            gemm1_out,
+            out_scale=gemm1_scale,
         )
-        grouped_gemm_fp8(
-            act_q, act_scale.view(-1), experts.w2, experts.w2_scale, offsets, down
-        )
+        grouped_gemm_fp8(act_q, act_scale, experts.w2, experts.w2_scale, offsets, down)
 
     return step
 

@@ -15,6 +15,7 @@ from tests.kernels.moe.moe_reference import torch_moe_reference
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
+    grouped_gemm_fp8_reference,
 )
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -140,6 +141,30 @@ def test_triton_fp8_kernel_in_the_pipeline_cpu(workspace_init, monkeypatch, ep_s
     torch.manual_seed(ep_size)
     check_backend("triton_fp8", 7, 2, ep_size, "cpu")
     assert calls == [grouped_gemm_fp8_gated, grouped_gemm_fp8]
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+@pytest.mark.parametrize("topk", [1, 8])
+def test_triton_fp8_group_quantized_path_cpu(
+    workspace_init, monkeypatch, ep_size, topk
+):
+    """Where both GEMMs take the Hopper kernels, GEMM1 writes its activation
+    in fp8 with per-group scales and GEMM2 takes them (no pass between):
+    that pipeline on the references, against the dense reference."""
+    if CUDA:
+        pytest.skip("the GPU tests run it where the Hopper kernels apply")
+    scales = []
+
+    def gemm2(a, a_scale, *args):
+        scales.append(a_scale.shape)
+        return grouped_gemm_fp8_reference(a, a_scale, *args)
+
+    for name in ("takes_gluon", "takes_gluon_gated"):
+        monkeypatch.setattr(triton_fp8_moe, name, lambda *args: True)
+    monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8_reference", gemm2)
+    torch.manual_seed(ep_size + topk)
+    check_backend("triton_fp8", 64, topk, ep_size, "cpu")
+    assert scales == [(64 * topk, 1)]  # intermediate 64: one group per row
 
 
 @pytest.mark.gpu

@@ -3,16 +3,20 @@ from typing import Any
 import pytest
 import torch
 
+from vllm.model_executor.kernels.activation_quant import FP8_MAX, MIN_SCALE
 from vllm.model_executor.kernels.device_info import num_sms
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
+    act_groups,
     deinterleave_gate_up,
+    dequantize_rows,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
+    quantize_groups_reference,
 )
 
 POISON = -7.0
@@ -207,6 +211,12 @@ def test_gated_zero_rows_and_fp16(device):
         (lambda t: t.update(out=t["out"][:, :-1]), "out: expected contiguous"),
         (lambda t: t.update(activation="gelu"), "activation: expected"),
         (lambda t: t.update(topk=0), "topk: expected"),
+        (lambda t: t.update(out=t["out"].to(FP8_DTYPE)), "out_scale: expected one"),
+        (lambda t: t.update(out_scale=torch.ones(6, 1)), "out_scale: expected one"),
+        (
+            lambda t: t.update(out=t["out"].to(FP8_DTYPE), out_scale=torch.ones(6, 2)),
+            "out_scale: expected contiguous",
+        ),
     ],
     ids=[
         "w13",
@@ -221,6 +231,9 @@ def test_gated_zero_rows_and_fp16(device):
         "out-cols",
         "act",
         "topk",
+        "fp8-out-no-scale",
+        "scale-bf16-out",
+        "out_scale-groups",
     ],
 )
 def test_gated_bad_input_names_the_argument(device, change, message):
@@ -250,6 +263,7 @@ def test_gated_bad_input_names_the_argument(device, change, message):
             t["offsets"],
             t["activation"],
             t["out"],
+            out_scale=t.get("out_scale"),
         )
 
 
@@ -295,6 +309,10 @@ def test_gated_at_model_dims(tokens):
         (lambda t: t.update(a=t["a"].float()), "a: expected contiguous"),
         (lambda t: t.update(a=t["a"][None]), "a: expected [R, K]"),
         (lambda t: t.update(a_scale=t["a_scale"][:-1]), "a_scale: expected"),
+        (
+            lambda t: t.update(a_scale=torch.ones(t["a"].shape[0], 2)),
+            "a_scale: expected contiguous torch.float32 [8, 1]",
+        ),
         (lambda t: t.update(w=t["w"][0]), "w: expected [E, N, K]"),
         (
             lambda t: t.update(w_scale=t["w_scale"].T.contiguous().T),
@@ -307,7 +325,17 @@ def test_gated_at_model_dims(tokens):
         (lambda t: t.update(out=t["out"].float()), "out: expected bfloat16"),
         (lambda t: t.update(out=t["out"][:-1]), "out: expected contiguous"),
     ],
-    ids=["a-dtype", "a-rank", "a_scale", "w", "w_scale", "offsets", "out", "out-rows"],
+    ids=[
+        "a-dtype",
+        "a-rank",
+        "a_scale",
+        "a_scale-groups",
+        "w",
+        "w_scale",
+        "offsets",
+        "out",
+        "out-rows",
+    ],
 )
 def test_bad_input_names_the_argument(device, change, message):
     a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 32, device)
@@ -366,3 +394,58 @@ def test_tma_operands_must_be_16_byte_aligned(device):
                 "silu",
                 torch.empty(6, 32, device=device, dtype=torch.bfloat16),
             )
+
+
+def test_group_quantization_round_trips(device):
+    """One scale per row and 128 columns (the last group partial), set by
+    the group's absolute maximum; an all-zero group stays finite."""
+    torch.manual_seed(3)
+    y = torch.randn(5, 300, device=device)
+    y[:, 128:256] *= 1e3  # groups of very different magnitude
+    y[1, 256:] = 0.0
+    q, scale = quantize_groups_reference(y)
+    assert q.dtype == FP8_DTYPE and q.shape == (5, 300)
+    assert scale.shape == (5, act_groups(300)) == (5, 3)
+    torch.testing.assert_close(scale[:, 1], y[:, 128:256].abs().amax(1) / FP8_MAX)
+    assert scale[1, 2] == MIN_SCALE / FP8_MAX
+    # fp8 e4m3 keeps 3 mantissa bits: within 2^-4 of each value (normals).
+    back = dequantize_rows(q, scale)
+    torch.testing.assert_close(back, y, rtol=2**-4, atol=float(scale.max()) * 2**-9)
+    assert bool((back[1, 256:] == 0).all())
+
+
+def test_group_scaled_reference_sums_the_groups(device):
+    """The reference GEMM with per-group scales: each K group times its own
+    row scales (K = 200: a full and a partial group)."""
+    torch.manual_seed(4)
+    a, _, w, w_scale, offsets = problem([3, 0, 6], 24, 200, device, spare_rows=2)
+    scale = torch.rand(a.shape[0], 2, device=device)
+    scale[:, 1] *= 50.0
+    out = torch.full((11, 24), POISON, device=device, dtype=torch.bfloat16)
+    grouped_gemm_fp8_reference(a, scale, w, w_scale, offsets, out)
+    for rows, e in ((slice(0, 3), 0), (slice(3, 9), 2)):
+        want = sum(
+            (a[rows, g * 128 : (g + 1) * 128].float() * scale[rows, g, None])
+            @ w[e, :, g * 128 : (g + 1) * 128].float().t()
+            for g in range(2)
+        )
+        want = (want * w_scale[e]).bfloat16()
+        torch.testing.assert_close(out[rows], want)  # bf16 tolerances
+    assert bool((out[9:] == POISON).all())
+
+
+def test_group_scales_need_the_hopper_kernel(device):
+    """The Triton kernels take per-row scales only: per-group ones (and an
+    fp8 gated output) are refused, naming the argument."""
+    a, _, w, w_scale, offsets = problem([2, 3], 32, 32, device)
+    out = torch.empty(a.shape[0], 32, device=device, dtype=torch.bfloat16)
+    scale = torch.ones(a.shape[0], 1, device=device)
+    config = GroupedGemmConfig(16, 32, 32, 4, 1)
+    with pytest.raises(ValueError, match="a_scale: per-group scales need the Hopper"):
+        grouped_gemm_fp8(a, scale, w, w_scale, offsets, out, config)
+    inputs = gated_problem(3, 2, 2, 32, 32, device)
+    act = torch.empty(6, 32, device=device, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="out: an fp8 out needs the Hopper"):
+        grouped_gemm_fp8_gated(
+            *inputs, "silu", act, config, out_scale=torch.ones(6, 1, device=device)
+        )

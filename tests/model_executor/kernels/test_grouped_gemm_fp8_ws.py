@@ -18,8 +18,12 @@ from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     problem,
 )
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
+from vllm.model_executor.kernels.activation_quant import act_and_quant
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    FP8_DTYPE,
     GroupedGemmConfig,
+    act_groups,
+    dequantize_rows,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
@@ -35,7 +39,8 @@ COMPILED = "compiled for sm90:"
 
 
 def compile_for_sm90() -> None:
-    """Compiles both kernels for Hopper, with 4 and 256 experts, and prints
+    """Compiles both kernels for Hopper, per-row and group-quantized, with 4
+    and 256 experts, and prints
     per build whether its PTX holds wgmma and its shared memory bytes (run
     by the test below in a process of its own)."""
     # Triton internals: imported here, so that a move fails this test only.
@@ -48,6 +53,7 @@ def compile_for_sm90() -> None:
     a, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+    act_q = torch.empty(rows, n // 2, dtype=fp8)
     block = [ws.BLOCK_M.value, ws.BLOCK_K.value]
     w_block = [ws.BLOCK_N.value, ws.BLOCK_K.value]
     out_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]
@@ -62,6 +68,7 @@ def compile_for_sm90() -> None:
         "out_desc": ws._descriptor(out, out_block),
         "N": n,
         "K": k,
+        "groups": 1,
         "num_experts": experts,
     }
     gated = {
@@ -73,16 +80,28 @@ def compile_for_sm90() -> None:
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": act,
         "out_desc": ws._descriptor(act, act_block),
+        "out_scale_ptr": torch.empty(rows, n // 2 // ws.GROUP.value),
         "inter": n // 2,
         "K": k,
         "num_experts": experts,
         "topk": topk,
     }
-    constexprs = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
+    quantized = {**gated, "out_desc": ws._descriptor(act_q, act_block)}
+    act_consts = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
     for (kernel, args, consts), block_e in itertools.product(
         (
-            (ws._grouped_gemm_fp8_ws_kernel, plain, {}),
-            (ws._grouped_gemm_fp8_gated_ws_kernel, gated, constexprs),
+            (ws._grouped_gemm_fp8_ws_kernel, plain, {"GROUPED": False}),
+            (ws._grouped_gemm_fp8_ws_kernel, plain, {"GROUPED": True}),
+            (
+                ws._grouped_gemm_fp8_gated_ws_kernel,
+                gated,
+                {**act_consts, "QUANT": False},
+            ),
+            (
+                ws._grouped_gemm_fp8_gated_ws_kernel,
+                quantized,
+                {**act_consts, "QUANT": True},
+            ),
         ),
         (experts, 256),
     ):
@@ -124,7 +143,7 @@ def test_compiles_for_sm90_without_a_gpu():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     kernels = [json.loads(x[len(COMPILED) :]) for x in lines if x.startswith(COMPILED)]
-    assert len(kernels) == 4
+    assert len(kernels) == 8
     for has_wgmma, shared in kernels:
         assert has_wgmma
         assert 0 < shared <= H200_SHARED_BYTES
@@ -219,13 +238,138 @@ def test_launcher_takes_it_and_matches_triton_bitwise(tokens, experts):
         assert torch.equal(again, out)
 
 
+def group_scales(rows: int, k: int) -> torch.Tensor:
+    """Per-group row scales [rows, act_groups(k)] whose groups differ by up
+    to 10^4 within a row: the rescale between K steps must carry them."""
+    groups = act_groups(k)
+    exponents = torch.randint(-2, 3, (rows, groups), device="cuda").float()
+    return (torch.rand(rows, groups, device="cuda") + 0.1) * 10**exponents
+
+
 @pytest.mark.gpu
 @needs_hopper
-def test_cuda_graph_replay_follows_the_routing():
+@pytest.mark.parametrize(
+    "counts",
+    [[1], [0, 70, 130, 1], HALF_BOUNDARIES, [0, 0, 0]],
+    ids=["one-row", "uneven", "half-boundaries", "empty"],
+)
+@pytest.mark.parametrize("n,k", [(512, 256), (2048, 768), (264, 176)], ids=str)
+def test_group_scales_match_reference(counts, n, k):
+    """Per-group A scales (K 176: a partial last group), several N tiles,
+    halves full, partial or empty; rows past the last expert stay untouched."""
+    torch.manual_seed(sum(counts) + n + k + 1)
+    a, _, w, w_scale, offsets = problem(counts, n, k, torch.device("cuda"), 17)
+    scale = group_scales(a.shape[0], k)
+    out = torch.full((a.shape[0], n), POISON, device="cuda", dtype=torch.bfloat16)
+    ref = torch.full_like(out, POISON)
+    ws.launch(a, scale, w, w_scale, offsets, out)
+    grouped_gemm_fp8_reference(a, scale, w, w_scale, offsets, ref)
+    # Hopper's fp8 MMAs add with fewer mantissa bits than fp32: a sum that
+    # nearly cancels is off by a share of its largest terms.
+    largest = float(ref.float().abs().max())
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-3 * largest)
+    assert bool((out[sum(counts) :] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+@pytest.mark.parametrize(
+    "tokens,topk,experts,inter,k,invalid",
+    [
+        (1, 1, 4, 128, 128, 0),  # one row
+        (60, 3, 2, 208, 176, 9),  # partial last group; non-local routes
+        (300, 8, 16, 768, 2048, 0),  # model dims, six groups
+        (64, 8, 256, 128, 128, 0),  # 256 experts
+    ],
+    ids=str,
+)
+def test_gated_quantized_matches_reference(
+    activation, tokens, topk, experts, inter, k, invalid
+):
+    """fp8 output with one scale per row and 128 columns: the scales and
+    the quantized values as the reference quantizes its own activation;
+    rows past the offsets' end (and their scales) are never written."""
+    torch.manual_seed(tokens + inter + k + 1)
+    inputs = gated_problem(tokens, topk, experts, inter, k, "cuda", invalid)
+    valid = int(inputs[-1][-1])
+    inputs[2][valid:] = 2**30
+    rows, groups = tokens * topk, act_groups(inter)
+    out = torch.full((rows, inter), POISON, device="cuda").to(FP8_DTYPE)
+    scale = torch.full((rows, groups), -1.0, device="cuda")
+    ref, ref_scale = torch.empty_like(out), torch.empty_like(scale)
+    assert ws.supports_gated(inputs[0], inter, out)
+    ws.launch_gated(*inputs, activation, out, scale)
+    grouped_gemm_fp8_gated_reference(*inputs, activation, ref, ref_scale)
+    # Hopper's fp8 MMAs add with fewer mantissa bits than fp32 (~1e-3 of
+    # the largest terms), which moves the group maxima a little and can move
+    # a value across an fp8 rounding boundary (a step: 2^-3 relative, or a
+    # unit of the scale near zero), rarely.
+    torch.testing.assert_close(scale[:valid], ref_scale[:valid], rtol=1e-2, atol=0)
+    got = dequantize_rows(out[:valid], scale[:valid])
+    want = dequantize_rows(ref[:valid], ref_scale[:valid])
+    unit = ref_scale[:valid].repeat_interleave(ws.GROUP.value, 1)[:, :inter]
+    assert bool(((got - want).abs() <= 2**-3 * want.abs() + unit).all())
+    assert (out[:valid].float() != ref[:valid].float()).float().mean() < 0.05
+    assert bool((out[valid:].float() == POISON).all())
+    assert bool((scale[valid:] == -1.0).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_quantized_pair_at_model_dims():
+    """qwen3-30b-a3b at 8192 tokens: the launchers take the Hopper kernels
+    for the fp8 activation and its group scales; GEMM2's rows are as close
+    to GEMM2 on the unquantized activation as those of the per-row path
+    (bf16 activation, a per-row quantization pass, per-row scales), or
+    closer."""
+    torch.manual_seed(1)
+    experts, inter, hidden, rows = 128, 768, 2048, 8192 * 8
+    inputs = gated_problem(8192, 8, experts, inter, hidden, "cuda")
+    offsets = inputs[-1]
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") * 2).to(FP8_DTYPE)
+    w2_scale = torch.rand(experts, hidden, device="cuda") / inter + 1e-3
+    act = torch.empty(rows, inter, device="cuda", dtype=FP8_DTYPE)
+    act_scale = torch.empty(rows, act_groups(inter), device="cuda")
+    down = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    with (
+        mock.patch.object(ws, "launch_gated", wraps=ws.launch_gated) as gated,
+        mock.patch.object(ws, "launch", wraps=ws.launch) as plain,
+    ):
+        grouped_gemm_fp8_gated(*inputs, "silu", act, out_scale=act_scale)
+        grouped_gemm_fp8(act, act_scale, w2, w2_scale, offsets, down)
+    gated.assert_called_once()
+    plain.assert_called_once()
+    act_bf16 = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
+    grouped_gemm_fp8_gated(*inputs, "silu", act_bf16)
+    row_q, row_scale = torch.empty_like(act), torch.empty(rows, device="cuda")
+    act_and_quant(act_bf16, row_q, None, row_scale)
+    per_row = torch.empty_like(down)
+    grouped_gemm_fp8(row_q, row_scale, w2, w2_scale, offsets, per_row)
+    ideal = torch.empty(rows, hidden, device="cuda")
+    bounds = offsets.tolist()
+    for e in range(experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        ideal[lo:hi] = (
+            act_bf16[lo:hi].float() @ (w2[e].float() * w2_scale[e, :, None]).t()
+        )
+
+    def error(x: torch.Tensor) -> float:
+        return float((x.float() - ideal).norm() / ideal.norm())
+
+    assert error(down) <= error(per_row) < 0.05
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("grouped", [False, True], ids=["row-scales", "group-scales"])
+def test_cuda_graph_replay_follows_the_routing(grouped):
     """Captured once, replayed with other offsets (same row count): equals
     eager calls, so nothing of the first routing is baked in."""
     torch.manual_seed(7)
     a, a_scale, w, w_scale, offsets = model_gemm2(2048)
+    if grouped:
+        a_scale = group_scales(a.shape[0], a.shape[1])
     out = torch.full((a.shape[0], 2048), POISON, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

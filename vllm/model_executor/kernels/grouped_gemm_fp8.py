@@ -12,6 +12,11 @@ interleaved (``interleave_gate_up``), so one 2 x BLOCK_N wide product tile
 holds matching gate and up columns and the program writes ``act(gate, up)``:
 the [R, 2I] intermediate never reaches memory.
 
+On Hopper the gated GEMM can also quantize its output (fp8, one scale per
+row and group of 128 columns, which a product tile holds whole) and the
+plain one take those group scales: then no pass over the activation is left
+between the GEMMs.
+
 Both kernels are persistent: at most one program per SM walks the (row
 tile, N tile) pairs, and a flattened loop overlaps one tile's epilogue with
 the next tile's loads. The weights (and ``grouped_gemm_fp8``'s A rows)
@@ -33,6 +38,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
 from vllm.model_executor.kernels.activation_quant import (
+    FP8_MAX,
+    MIN_SCALE,
     MODES,
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
@@ -280,6 +287,11 @@ def _check_tma(name: str, t: torch.Tensor) -> None:
         )
 
 
+def act_groups(cols: int) -> int:
+    """Scales per row of a group-quantized activation of ``cols`` columns."""
+    return triton.cdiv(cols, gluon_ws.GROUP.value)
+
+
 def _check(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -296,9 +308,10 @@ def _check(
         raise ValueError(f"out: expected bfloat16 or float16, got {out.dtype}")
     num_experts, n, k = w.shape
     rows = a.shape[0]
+    a_scale_shape = [rows, act_groups(k)] if a_scale.dim() == 2 else [rows]
     for name, tensor, dtype, shape in (
         ("a", a, FP8_DTYPE, [rows, k]),
-        ("a_scale", a_scale, torch.float32, [rows]),
+        ("a_scale", a_scale, torch.float32, a_scale_shape),
         ("w", w, FP8_DTYPE, [num_experts, n, k]),
         ("w_scale", w_scale, torch.float32, [num_experts, n]),
         ("expert_first_token_offset", offsets, torch.int64, [num_experts + 1]),
@@ -319,6 +332,8 @@ def grouped_gemm_fp8(
     """Writes the rows below ``expert_first_token_offset[-1]`` of ``out``
     [R, N] from ``a`` [R, K] fp8 with per-row ``a_scale`` [R] and ``w``
     [E, N, K] fp8 with per-channel ``w_scale`` [E, N]; returns ``out``.
+    A 2-D ``a_scale`` [R, act_groups(K)] scales each row's columns in groups
+    of 128 (as the gated GEMM's fp8 output); only the Hopper kernel takes it.
 
     The offsets (int64 [E + 1], the permute's) must ascend from 0 to at most
     R: they live on the device and are not checked, so that the call needs no
@@ -338,6 +353,11 @@ def grouped_gemm_fp8(
     if takes_gluon(a, w, out, config):
         gluon_ws.launch(a, a_scale, w, w_scale, expert_first_token_offset, out)
         return out
+    if a_scale.dim() == 2:
+        raise ValueError(
+            "a_scale: per-group scales need the Hopper kernel (takes_gluon), which "
+            f"this call does not take (device {a.device}, config {config})"
+        )
     cfg = config or default_config(rows, num_experts)
     programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(n, cfg.block_n)
@@ -372,15 +392,21 @@ def _check_gated(
     offsets: torch.Tensor,
     activation: str,
     out: torch.Tensor,
+    out_scale: torch.Tensor | None,
 ) -> None:
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise ValueError(f"w13: expected [E, 2 * I, K], got shape {list(w13.shape)}")
     if a.dim() != 2:
         raise ValueError(f"a: expected [T, K], got shape {list(a.shape)}")
-    if out.dim() != 2 or out.dtype not in (torch.bfloat16, torch.float16):
+    if out.dim() != 2 or out.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
         raise ValueError(
-            f"out: expected a bfloat16 or float16 [R, I], got {list(out.shape)} "
-            f"{out.dtype}"
+            f"out: expected a bfloat16, float16 or float8_e4m3fn [R, I], got "
+            f"{list(out.shape)} {out.dtype}"
+        )
+    if (out_scale is None) != (out.dtype != FP8_DTYPE):
+        raise ValueError(
+            f"out_scale: expected one exactly for an fp8 out, got "
+            f"{None if out_scale is None else 'a tensor'} for a {out.dtype} out"
         )
     if activation not in ("silu", "swiglu"):
         raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
@@ -398,6 +424,9 @@ def _check_gated(
         ("out", out, out.dtype, [rows, n // 2]),
     ):
         check_contiguous(name, tensor, dtype, shape, w13.device)
+    if out_scale is not None:
+        shape = [rows, act_groups(n // 2)]
+        check_contiguous("out_scale", out_scale, torch.float32, shape, w13.device)
 
 
 def grouped_gemm_fp8_gated(
@@ -411,6 +440,7 @@ def grouped_gemm_fp8_gated(
     activation: str,
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[r] = act(gate, up)`` where ``[gate | up]`` is the deinterleaved
     ``(a[t] @ w13[e]^T) * a_scale[t] * w13_scale[e]``, for each row ``r`` below
@@ -421,7 +451,11 @@ def grouped_gemm_fp8_gated(
     [R] (the permute's destination -> route index, each < T * topk);
     ``w13`` [E, 2I, K] fp8 with its gate and up rows interleaved
     (:func:`interleave_gate_up`) and ``w13_scale`` [E, 2I] likewise;
-    ``out`` [R, I] bf16/fp16. The offsets (int64 [E + 1]) must ascend from
+    ``out`` [R, I] bf16/fp16, or fp8 quantized per row in groups of 128
+    columns with ``out_scale`` [R, act_groups(I)] (``out * out_scale``
+    restores the values; only the Hopper kernel writes it, and
+    :func:`grouped_gemm_fp8` takes it as ``a``, ``a_scale``).
+    The offsets (int64 [E + 1]) must ascend from
     0 to at most R; offsets and routes live on the device and are not checked
     (no host sync, CUDA-graph capturable). Kernel choice as in
     :func:`grouped_gemm_fp8`."""
@@ -435,6 +469,7 @@ def grouped_gemm_fp8_gated(
         expert_first_token_offset,
         activation,
         out,
+        out_scale,
     )
     rows, inter = out.shape
     if rows == 0 or w13.shape[0] == 0:  # no rows or no experts: nothing to write
@@ -452,8 +487,14 @@ def grouped_gemm_fp8_gated(
             expert_first_token_offset,
             activation,
             out,
+            out_scale,
         )
         return out
+    if out_scale is not None:
+        raise ValueError(
+            "out: an fp8 out needs the Hopper kernel (takes_gluon_gated), which "
+            f"this call does not take (device {a.device}, config {config})"
+        )
     cfg = config or default_gated_config(rows, num_experts)
     programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(inter, cfg.block_n)
@@ -497,8 +538,8 @@ def grouped_gemm_fp8_reference(
     for e in range(w.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if lo < hi:
-            product = a[lo:hi].float() @ w[e].float().t()
-            out[lo:hi] = (product * a_scale[lo:hi, None] * w_scale[e]).to(out.dtype)
+            product = dequantize_rows(a[lo:hi], a_scale[lo:hi]) @ w[e].float().t()
+            out[lo:hi] = (product * w_scale[e]).to(out.dtype)
     return out
 
 
@@ -512,6 +553,7 @@ def grouped_gemm_fp8_gated_reference(
     expert_first_token_offset: torch.Tensor,
     activation: str,
     out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch, fp32 per expert: the oracle in tests."""
     _check_gated(
@@ -524,6 +566,7 @@ def grouped_gemm_fp8_gated_reference(
         expert_first_token_offset,
         activation,
         out,
+        out_scale,
     )
     bounds = expert_first_token_offset.tolist()
     for e in range(w13.shape[0]):
@@ -532,6 +575,30 @@ def grouped_gemm_fp8_gated_reference(
             tokens = src_routes[lo:hi].long() // topk
             product = a[tokens].float() @ w13[e].float().t()
             product *= a_scale[tokens, None] * w13_scale[e]
-            gate_up = deinterleave_gate_up(product)
-            out[lo:hi] = gated_act_reference(activation, gate_up).to(out.dtype)
+            y = gated_act_reference(activation, deinterleave_gate_up(product))
+            if out_scale is None:
+                out[lo:hi] = y.to(out.dtype)
+            else:
+                out[lo:hi], out_scale[lo:hi] = quantize_groups_reference(y)
     return out
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of fp8 rows ``q`` [R, C] with per-row scales [R] or
+    per-group scales [R, act_groups(C)]."""
+    if scale.dim() == 1:
+        return q.float() * scale[:, None]
+    return q.float() * scale.repeat_interleave(gluon_ws.GROUP.value, 1)[:, : q.shape[1]]
+
+
+def quantize_groups_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 rows of ``y`` [R, C] with one scale per row and group of 128
+    columns (the gated GEMM's fp8 output), in plain PyTorch."""
+    rows, cols = y.shape
+    group = gluon_ws.GROUP.value
+    groups = act_groups(cols)
+    padded = torch.nn.functional.pad(y.float(), (0, groups * group - cols))
+    padded = padded.view(rows, groups, group)
+    scale = padded.abs().amax(-1).clamp(min=MIN_SCALE) / FP8_MAX
+    q = (padded * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8_DTYPE).view(rows, -1)[:, :cols], scale

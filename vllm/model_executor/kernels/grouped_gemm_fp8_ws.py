@@ -18,6 +18,11 @@ express:
 - a consumer stores a full 64-row half through a TMA box from shared memory
   and moves on while the store drains; a partial half takes masked stores.
 
+The gated kernel can write its activation as fp8 with one scale per row of
+each 128-column output tile (``QUANT``), and the plain kernel take such
+per-group scales (``GROUPED``): it carries its accumulator in units of the
+current K step's row scales, rescaling it between steps.
+
 Persistent like the Triton kernel: each program walks the same (row tile,
 N tile) order, and all three partitions derive it from the offsets.
 """
@@ -41,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from vllm.model_executor.kernels.activation_quant import (
+    FP8_MAX,
+    MIN_SCALE,
     MODES,
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
@@ -75,6 +82,12 @@ ACC_LAYOUT = gl.constexpr(
 CONSUMER_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
 GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
+# Columns per scale of a group-quantized activation: the gated GEMM's output
+# tile quantizes itself, and the plain GEMM takes one group per K step.
+GROUP = gl.constexpr(128)
+assert GROUP.value == BLOCK_K.value == BLOCK_N.value // 2
+_FP8_MAX = gl.constexpr(FP8_MAX)
+_MIN_SCALE = gl.constexpr(MIN_SCALE)
 
 _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
@@ -90,6 +103,11 @@ _gated_act = gluon.jit(gated_act.fn)
 @gluon.jit
 def _add(a, b):
     return a + b
+
+
+@gluon.jit
+def _maximum(a, b):
+    return gl.maximum(a, b)
 
 
 @gluon.jit
@@ -126,17 +144,42 @@ def _tile_coords(tile, n_tiles, experts, starts, ends, tiles, tiles_end):
 
 @gluon.jit
 def _mainloop(
-    a_boxes, w_boxes, ready, empty, step, K, HALF: gl.constexpr, GATHERED: gl.constexpr
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    step,
+    K,
+    group_scales,
+    row_ok,
+    HALF: gl.constexpr,
+    GATHERED: gl.constexpr,
+    GROUPED: gl.constexpr,
 ):
     """This warpgroup's 64 x BLOCK_N accumulator over K, from the ring slots
-    ``step``, ``step + 1``, ...; returns it and the next step."""
+    ``step``, ``step + 1``, ...; returns it, its rows' scales and the next
+    step.
+
+    GROUPED: A's K step ``g`` (one GROUP) holds values in units of its own
+    row scales (``group_scales + g``). The accumulator is carried in units
+    of the current step's scales: rescaled by old / new before each step's
+    MMA, which needs the previous MMA finished. It is returned with the last
+    step's scales. Otherwise the scales are ones."""
     acc = gl.zeros((SUB, BLOCK_N), gl.float32, ACC_LAYOUT)
+    scale = gl.full((SUB,), 1.0, gl.float32, gl.SliceLayout(1, ACC_LAYOUT))
     prev_slot = 0
     for k in range(0, K, BLOCK_K):
         slot = step % STAGES
+        if GROUPED:  # issued before the waits, which hide its latency
+            next_scale = gl.load(group_scales + k // BLOCK_K, mask=row_ok, other=1.0)
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         if GATHERED:  # cp.async wrote the A rows: order them before the MMA's reads
             fence_async_shared()
+        if GROUPED:
+            if k > 0:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = acc * (scale / next_scale)[:, None]
+            scale = next_scale
         acc = warpgroup_mma(
             a_boxes.index(slot).slice(HALF * SUB, SUB, dim=0),
             w_boxes.index(slot).permute((1, 0)),
@@ -151,7 +194,7 @@ def _mainloop(
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index(prev_slot), count=1)
-    return acc, step
+    return acc, scale, step
 
 
 @gluon.jit
@@ -212,12 +255,14 @@ def _consumer(
     out_desc,
     N,
     K,
+    groups,
     num_experts,
     a_boxes,
     w_boxes,
     ready,
     empty,
     HALF: gl.constexpr,
+    GROUPED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
@@ -232,13 +277,26 @@ def _consumer(
         )
         first_row = row_start + HALF * SUB
         if first_row < row_end:
-            acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, False)
-
             rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
+            row_ok = rows < row_end
+            acc, a_scale, step = _mainloop(
+                a_boxes,
+                w_boxes,
+                ready,
+                empty,
+                step,
+                K,
+                a_scale_ptr + rows * groups,
+                row_ok,
+                HALF,
+                False,
+                GROUPED,
+            )
+            if not GROUPED:
+                a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
             cols = n_tile * BLOCK_N + gl.arange(
                 0, BLOCK_N, layout=gl.SliceLayout(0, ACC_LAYOUT)
             )
-            a_scale = gl.load(a_scale_ptr + rows, mask=rows < row_end, other=0.0)
             w_scale = gl.load(w_scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
             y = (acc * a_scale[:, None] * w_scale[None, :]).to(out_desc.dtype)
             if row_end - first_row >= SUB:
@@ -250,7 +308,7 @@ def _consumer(
                 gl.store(
                     out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :],
                     y,
-                    mask=(rows < row_end)[:, None] & (cols < N)[None, :],
+                    mask=row_ok[:, None] & (cols < N)[None, :],
                 )
         else:
             step = _skip(ready, empty, step, K)
@@ -268,7 +326,9 @@ def _grouped_gemm_fp8_ws_kernel(
     out_desc,
     N,
     K,
+    groups,
     num_experts,
+    GROUPED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     a_boxes = gl.allocate_shared_memory(
@@ -295,12 +355,14 @@ def _grouped_gemm_fp8_ws_kernel(
                     out_desc,
                     N,
                     K,
+                    groups,
                     num_experts,
                     a_boxes,
                     w_boxes,
                     ready,
                     empty,
                     0,
+                    GROUPED,
                     BLOCK_E,
                 ),
             ),
@@ -314,12 +376,14 @@ def _grouped_gemm_fp8_ws_kernel(
                     out_desc,
                     N,
                     K,
+                    groups,
                     num_experts,
                     a_boxes,
                     w_boxes,
                     ready,
                     empty,
                     1,
+                    GROUPED,
                     BLOCK_E,
                 ),
             ),
@@ -409,6 +473,7 @@ def _gated_consumer(
     offsets_ptr,
     out_ptr,
     out_desc,
+    out_scale_ptr,
     inter,
     K,
     num_experts,
@@ -420,6 +485,7 @@ def _gated_consumer(
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
+    QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
@@ -436,7 +502,9 @@ def _gated_consumer(
         )
         first_row = row_start + HALF * SUB
         if first_row < row_end:
-            acc, step = _mainloop(a_boxes, w_boxes, ready, empty, step, K, HALF, True)
+            acc, _, step = _mainloop(
+                a_boxes, w_boxes, ready, empty, step, K, None, None, HALF, True, False
+            )
 
             rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
             row_ok = rows < row_end
@@ -452,8 +520,19 @@ def _gated_consumer(
             )
             acc = acc * a_scale[:, None] * w_scale[None, :]
             gate, up = gl.split(gl.reshape(acc, (SUB, OUT_N, 2)))
-            y = _gated_act(gate, up, MODE, ALPHA, LIMIT).to(out_desc.dtype)
-            y = gl.convert_layout(y, out_layout)
+            y = _gated_act(gate, up, MODE, ALPHA, LIMIT)
+            if QUANT:  # fp8 with one scale per row of this tile's GROUP columns
+                amax = gl.reduce(gl.abs(y), 1, _maximum)
+                scale = gl.maximum(amax, _MIN_SCALE) / _FP8_MAX
+                # |y| / scale <= FP8_MAX up to rounding: no clamp needed.
+                y = y * (1.0 / scale)[:, None]
+                scale_rows = first_row + gl.arange(0, SUB, layout=scale.type.layout)
+                gl.store(
+                    out_scale_ptr + scale_rows * n_tiles + n_tile,
+                    scale,
+                    mask=scale_rows < row_end,
+                )
+            y = gl.convert_layout(y.to(out_desc.dtype), out_layout)
             if row_end - first_row >= SUB:
                 tma.store_wait(0)  # the previous tile's store has left staging
                 staging.store(y)
@@ -488,6 +567,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     offsets_ptr,
     out_ptr,
     out_desc,
+    out_scale_ptr,
     inter,
     K,
     num_experts,
@@ -495,6 +575,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
+    QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -524,6 +605,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     offsets_ptr,
                     out_ptr,
                     out_desc,
+                    out_scale_ptr,
                     inter,
                     K,
                     num_experts,
@@ -535,6 +617,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     MODE,
                     ALPHA,
                     LIMIT,
+                    QUANT,
                     BLOCK_E,
                 ),
             ),
@@ -548,6 +631,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     offsets_ptr,
                     out_ptr,
                     out_desc,
+                    out_scale_ptr,
                     inter,
                     K,
                     num_experts,
@@ -559,6 +643,7 @@ def _grouped_gemm_fp8_gated_ws_kernel(
                     MODE,
                     ALPHA,
                     LIMIT,
+                    QUANT,
                     BLOCK_E,
                 ),
             ),
@@ -595,8 +680,13 @@ def supports_gated(a: torch.Tensor, inter: int, out: torch.Tensor) -> bool:
 
 def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
     """Whether this kernel can run the call: a Hopper GPU (sm90), and an
-    ``out`` whose rows a TMA box can store (16-byte aligned start and rows)."""
-    return capability(device) == (9, 0) and n % 8 == 0 and out.data_ptr() % 16 == 0
+    ``out`` [R, n] whose rows a TMA box can store (16-byte aligned start and
+    rows)."""
+    return (
+        capability(device) == (9, 0)
+        and n * out.element_size() % 16 == 0
+        and out.data_ptr() % 16 == 0
+    )
 
 
 @functools.cache  # building the layout costs ~6 us of host time per call
@@ -617,8 +707,10 @@ def launch(
     out: torch.Tensor,
 ) -> None:
     """Runs the kernel on arguments ``grouped_gemm_fp8`` has checked (shapes,
-    dtypes, TMA alignment of ``a`` and ``w``) and :func:`supports`."""
+    dtypes, TMA alignment of ``a`` and ``w``) and :func:`supports`; a 2-D
+    ``a_scale`` [R, cdiv(K, GROUP)] holds per-group row scales."""
     num_experts, n, k = w.shape
+    grouped = a_scale.dim() == 2
     programs = persistent_programs(
         a.device, a.shape[0], num_experts, BLOCK_M.value, triton.cdiv(n, BLOCK_N.value)
     )
@@ -632,7 +724,9 @@ def launch(
         _descriptor(out, [SUB.value, BLOCK_N.value]),
         n,
         k,
+        a_scale.shape[1] if grouped else 1,
         num_experts,
+        GROUPED=grouped,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )
@@ -648,10 +742,12 @@ def launch_gated(
     expert_first_token_offset: torch.Tensor,
     activation: str,
     out: torch.Tensor,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     """Runs the gated kernel on arguments ``grouped_gemm_fp8_gated`` has
     checked (shapes, dtypes, TMA alignment of ``w13``) and
-    :func:`supports_gated`."""
+    :func:`supports_gated`; an fp8 ``out`` takes per-group row scales
+    ``out_scale`` [R, cdiv(I, GROUP)]."""
     num_experts, w_n, k = w13.shape
     rows, inter = out.shape
     programs = persistent_programs(
@@ -666,6 +762,7 @@ def launch_gated(
         expert_first_token_offset,
         out,
         _descriptor(out, [SUB.value, BLOCK_N.value // 2]),
+        out if out_scale is None else out_scale,
         inter,
         k,
         num_experts,
@@ -673,6 +770,7 @@ def launch_gated(
         MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
+        QUANT=out_scale is not None,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )

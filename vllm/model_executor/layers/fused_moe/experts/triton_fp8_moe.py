@@ -9,11 +9,15 @@ intermediate in memory:
 1. the tokens are quantized per row into workspace13 ([M, K] fp8 + scales);
 2. the routes are sorted by local expert (``moe_prepare_scatter``);
 3. GEMM1 reads each row's token straight from workspace13 through the
-   sort's destination -> route index and writes ``act(gate, up)`` [R, I]
-   into workspace2;
-4. that is quantized per row into workspace13 (the tokens are dead by then);
-5. GEMM2 writes its rows into workspace2 (the activation is dead by then);
-6. the unpermute reduces each token's top-k rows into the output.
+   sort's destination -> route index and writes ``act(gate, up)`` [R, I];
+4. GEMM2 reads that, quantized to fp8, and writes its rows into workspace2;
+5. the unpermute reduces each token's top-k rows into the output.
+
+Where both GEMMs run the Hopper kernels (above 64 rows per expert), GEMM1
+quantizes its own output in groups of 128 columns, into workspace13 after
+the tokens, and GEMM2 takes the group scales. Otherwise GEMM1 writes bf16
+into workspace2 and a pass quantizes it per row into workspace13 (the
+tokens are dead by then) before GEMM2 overwrites workspace2.
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -23,12 +27,16 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+    FP8_DTYPE,
+    act_groups,
     deinterleave_gate_up,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
+    takes_gluon,
+    takes_gluon_gated,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -42,6 +50,17 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
+from vllm.v1.worker.workspace import align_up
+
+
+def carve_act_groups(
+    workspace: torch.Tensor, offset: int, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 [rows, cols] and their per-group fp32 scales [rows, act_groups(cols)],
+    ``offset`` bytes into a flat byte ``workspace``."""
+    q = carve(workspace, (rows, cols), FP8_DTYPE, offset)
+    scale_offset = offset + align_up(q.numel())
+    return q, carve(workspace, (rows, act_groups(cols)), torch.float32, scale_offset)
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
@@ -72,8 +91,10 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
-        # workspace13: the M input tokens quantized, then the R activation rows.
-        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
+        # workspace13: the M input tokens quantized, then (after them, or in
+        # their place) the R activation rows quantized.
+        groups_bytes = align_up(rows * inter) + rows * act_groups(inter) * 4
+        workspace13 = align_up(fp8_rows_bytes(M, K)) + groups_bytes
         # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
@@ -96,10 +117,10 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        act = carve(workspace2, (rows, inter), output.dtype)
         cuda = hidden_states.is_cuda
         gated = grouped_gemm_fp8_gated if cuda else grouped_gemm_fp8_gated_reference
-        gated(
+        gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
+        gemm1_args = (
             a_q,
             a_scale,
             scratch.permuted_idx[:rows],
@@ -108,13 +129,20 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             self.w13_scale,
             offsets,
             moe.activation,
-            act,
         )
-        act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
-        # Rows past offsets[-1] (non-local routes) hold stale data: they are
-        # quantized too (their count is on the device) and never read again.
-        quant_rows_fp8(act, act_q, act_scale)
+        tokens_bytes = align_up(fp8_rows_bytes(num_tokens, hidden))
+        act_q, act_scale = carve_act_groups(workspace13, tokens_bytes, rows, inter)
         down = carve(workspace2, (rows, hidden), output.dtype)
-        gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
+        if takes_gluon_gated(a_q, self.w13, act_q) and takes_gluon(
+            act_q, self.w2, down
+        ):
+            gated(*gemm1_args, act_q, out_scale=act_scale)
+        else:
+            act = carve(workspace2, (rows, inter), output.dtype)
+            gated(*gemm1_args, act)
+            act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
+            # Rows past offsets[-1] (non-local routes) hold stale data: they are
+            # quantized too (their count is on the device) and never read again.
+            quant_rows_fp8(act, act_q, act_scale)
         gemm(act_q, act_scale, self.w2, self.w2_scale, offsets, down)
         moe_unpermute(output, down, topk_weights, inv, offsets)
