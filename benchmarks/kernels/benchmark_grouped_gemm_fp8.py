@@ -7,7 +7,9 @@ activation in the epilogue. ``_scaled_grouped_mm`` runs the same products on
 permuted rows (GEMM1 without the activation). Timed under CUDA-graph
 replay; TFLOP/s (of the products) and the fraction of the H200's dense fp8
 peak. The launcher's choice (the warp-specialized Gluon kernels for 128-row
-tiles on Hopper) runs beside the Triton kernel with the same tiles;
+tiles on Hopper, also with the activation quantized in groups of 128
+columns: GEMM1's fp8 output, GEMM2's group scales, "gluon-ws groups") runs
+beside the Triton kernel with the same tiles;
 ``--sweep`` also times each Triton tile config.
 
     python -m benchmarks.kernels.benchmark_grouped_gemm_fp8 --tokens 1024 8192
@@ -30,6 +32,7 @@ from benchmarks.kernels.bench_utils import (
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
+    act_groups,
     default_config,
     default_gated_config,
     grouped_gemm_fp8,
@@ -99,12 +102,14 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
     act = torch.empty(rows, inter, device="cuda", dtype=torch.bfloat16)
     act_q = torch.randn(rows, inter, device="cuda").to(FP8_DTYPE)
     act_scale = torch.rand(rows, device="cuda")
+    act_group_scale = torch.rand(rows, act_groups(inter), device="cuda")
     w2 = torch.randn(experts, hidden, inter, device="cuda").to(FP8_DTYPE)
     w2_scale = torch.rand(experts, hidden, device="cuda")
     down = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
     iters = 20 if tokens < 1024 else 5
 
-    def gate_up(config: GroupedGemmConfig | None) -> None:
+    def gate_up(config: GroupedGemmConfig | None, quantized: bool = False) -> None:
+        out, out_scale = (act_q, act_group_scale) if quantized else (act, None)
         grouped_gemm_fp8_gated(
             a,
             a_scale,
@@ -114,18 +119,20 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
             w13_scale,
             offsets,
             "silu",
-            act,
+            out,
             config,
+            out_scale,
         )
 
-    def down_proj(config: GroupedGemmConfig | None) -> None:
-        grouped_gemm_fp8(act_q, act_scale, w2, w2_scale, offsets, down, config)
+    def down_proj(config: GroupedGemmConfig | None, quantized: bool = False) -> None:
+        scale = act_group_scale if quantized else act_scale
+        grouped_gemm_fp8(act_q, scale, w2, w2_scale, offsets, down, config)
 
     gemms = {
         "gate_up": (
             gate_up,
             default_gated_config(rows, experts),
-            takes_gluon_gated(a, w13, act),
+            takes_gluon_gated(a, w13, act) and takes_gluon_gated(a, w13, act_q),
             (a_perm, w13, a_scale[src_routes.long() // topk], w13_scale),
         ),
         "down": (
@@ -145,17 +152,24 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
 
         torch_us = time_graph_us(torch_step, iters)
         flops = 2 * rows * w.shape[1] * w.shape[2]
-        # None: the launcher's choice, where it is the Gluon kernel.
-        configs: list[GroupedGemmConfig | None] = [None] if gluon else []
-        configs += SWEEP[gemm] if args.sweep else [default]
-        for config in configs:
+        # None: the launcher's choice, where it is the Gluon kernel, also with
+        # the activation quantized in groups (fp8 out / group scales in).
+        configs: list[tuple[GroupedGemmConfig | None, bool]] = (
+            [(None, False), (None, True)] if gluon else []
+        )
+        configs += [(c, False) for c in (SWEEP[gemm] if args.sweep else [default])]
+        for config, quantized in configs:
 
-            def triton_step(_: int, run=run, config=config) -> None:
-                run(config)
+            def triton_step(_: int, run=run, config=config, q=quantized) -> None:
+                run(config, q)
 
             triton_us = time_graph_us(triton_step, iters)
             tflops = flops / (triton_us * 1e-6) / 1e12
-            label = "x".join(map(str, astuple(config))) if config else "gluon-ws"
+            label = (
+                "x".join(map(str, astuple(config)))
+                if config
+                else ("gluon-ws groups" if quantized else "gluon-ws")
+            )
             results.append(
                 Row(
                     gemm,
