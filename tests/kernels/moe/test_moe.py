@@ -87,8 +87,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_backend(backend, tokens, topk, ep_size, device):
-    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=topk)
+def check_backend(backend, tokens, topk, ep_size, device, **dims):
+    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=topk, **dims)
     w13, w2 = random_weights(moe, device)
     experts = make_experts(moe, w13, w2, backend)
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
@@ -150,7 +150,8 @@ def test_triton_fp8_group_quantized_path_cpu(
 ):
     """Where both GEMMs take the Hopper kernels, GEMM1 writes its activation
     in fp8 with per-group scales and GEMM2 takes them (no pass between):
-    that pipeline on the references, against the dense reference."""
+    that pipeline on the references (intermediate 208: a full and a partial
+    group), against the dense reference."""
     if CUDA:
         pytest.skip("the GPU tests run it where the Hopper kernels apply")
     scales = []
@@ -159,12 +160,33 @@ def test_triton_fp8_group_quantized_path_cpu(
         scales.append(a_scale.shape)
         return grouped_gemm_fp8_reference(a, a_scale, *args)
 
-    for name in ("takes_gluon", "takes_gluon_gated"):
-        monkeypatch.setattr(triton_fp8_moe, name, lambda *args: True)
+    monkeypatch.setattr(triton_fp8_moe, "takes_gluon_groups", lambda *args: True)
     monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8_reference", gemm2)
     torch.manual_seed(ep_size + topk)
-    check_backend("triton_fp8", 64, topk, ep_size, "cpu")
-    assert scales == [(64 * topk, 1)]  # intermediate 64: one group per row
+    check_backend("triton_fp8", 64, topk, ep_size, "cpu", intermediate_size=208)
+    assert scales == [(64 * topk, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs sm90"
+)
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_triton_fp8_takes_the_group_path_on_hopper(
+    workspace_init, monkeypatch, ep_size
+):
+    """At 1024 tokens (top-8, 32 experts: 256 routes per expert) the layer's
+    GEMM2 gets group scales from GEMM1; the layer matches the reference."""
+    scales = []
+
+    def gemm2(a, a_scale, *args):
+        scales.append(a_scale.shape)
+        return grouped_gemm_fp8(a, a_scale, *args)
+
+    monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8", gemm2)
+    torch.manual_seed(ep_size)
+    check_backend("triton_fp8", 1024, 8, ep_size, "cuda")
+    assert scales == [(1024 * 8, 768 // 128)]
 
 
 @pytest.mark.gpu

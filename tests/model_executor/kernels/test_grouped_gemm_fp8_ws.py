@@ -18,7 +18,11 @@ from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     problem,
 )
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
-from vllm.model_executor.kernels.activation_quant import act_and_quant
+from vllm.model_executor.kernels.activation_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    act_and_quant,
+)
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,
@@ -33,6 +37,7 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
 )
 
 H200_SHARED_BYTES = 232448  # per block, opt-in maximum on sm90
+GROUP = ws.GROUP.value
 
 
 COMPILED = "compiled for sm90:"
@@ -80,7 +85,7 @@ def compile_for_sm90() -> None:
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": act,
         "out_desc": ws._descriptor(act, act_block),
-        "out_scale_ptr": torch.empty(rows, n // 2 // ws.GROUP.value),
+        "out_scale_ptr": torch.empty(rows, n // 2 // GROUP),
         "inter": n // 2,
         "K": k,
         "num_experts": experts,
@@ -256,10 +261,14 @@ def group_scales(rows: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("n,k", [(512, 256), (2048, 768), (264, 176)], ids=str)
 def test_group_scales_match_reference(counts, n, k):
     """Per-group A scales (K 176: a partial last group), several N tiles,
-    halves full, partial or empty; rows past the last expert stay untouched."""
+    halves full, partial or empty; rows past the last expert stay untouched.
+    Every other row has an all-zero second group with the smallest scale
+    GEMM1 writes (a rescale by ~1e15 and back)."""
     torch.manual_seed(sum(counts) + n + k + 1)
     a, _, w, w_scale, offsets = problem(counts, n, k, torch.device("cuda"), 17)
     scale = group_scales(a.shape[0], k)
+    a[::2, GROUP : 2 * GROUP] = 0
+    scale[::2, 1] = MIN_SCALE / FP8_MAX
     out = torch.full((a.shape[0], n), POISON, device="cuda", dtype=torch.bfloat16)
     ref = torch.full_like(out, POISON)
     ws.launch(a, scale, w, w_scale, offsets, out)
@@ -308,7 +317,7 @@ def test_gated_quantized_matches_reference(
     torch.testing.assert_close(scale[:valid], ref_scale[:valid], rtol=1e-2, atol=0)
     got = dequantize_rows(out[:valid], scale[:valid])
     want = dequantize_rows(ref[:valid], ref_scale[:valid])
-    unit = ref_scale[:valid].repeat_interleave(ws.GROUP.value, 1)[:, :inter]
+    unit = ref_scale[:valid].repeat_interleave(GROUP, 1)[:, :inter]
     assert bool(((got - want).abs() <= 2**-3 * want.abs() + unit).all())
     assert (out[:valid].float() != ref[:valid].float()).float().mean() < 0.05
     assert bool((out[valid:].float() == POISON).all())

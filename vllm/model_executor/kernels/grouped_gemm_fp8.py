@@ -278,6 +278,19 @@ def takes_gluon_gated(
     ) and gluon_ws.supports_gated(a, out.shape[1], out)
 
 
+def takes_gluon_groups(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    act_q: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+) -> bool:
+    """Whether both GEMMs of an expert layer run the Hopper kernels here, so
+    that GEMM1 (tokens ``a``, ``w13``) can write its activation ``act_q``
+    (fp8 [R, I]) quantized in groups for GEMM2 (``w2``, into ``out``)."""
+    return takes_gluon_gated(a, w13, act_q) and takes_gluon(act_q, w2, out)
+
+
 def _check_tma(name: str, t: torch.Tensor) -> None:
     """TMA boxes need 16-byte aligned rows (fp8: K a multiple of 16)."""
     if t.shape[-1] == 0 or t.shape[-1] % 16 or t.data_ptr() % 16:
@@ -333,7 +346,9 @@ def grouped_gemm_fp8(
     [R, N] from ``a`` [R, K] fp8 with per-row ``a_scale`` [R] and ``w``
     [E, N, K] fp8 with per-channel ``w_scale`` [E, N]; returns ``out``.
     A 2-D ``a_scale`` [R, act_groups(K)] scales each row's columns in groups
-    of 128 (as the gated GEMM's fp8 output); only the Hopper kernel takes it.
+    of 128 (as the gated GEMM's fp8 output writes them; they must be positive
+    and finite, since the kernel divides by them); only the Hopper kernel
+    takes it.
 
     The offsets (int64 [E + 1], the permute's) must ascend from 0 to at most
     R: they live on the device and are not checked, so that the call needs no
@@ -405,7 +420,7 @@ def _check_gated(
         )
     if (out_scale is None) != (out.dtype != FP8_DTYPE):
         raise ValueError(
-            f"out_scale: expected one exactly for an fp8 out, got "
+            f"out_scale: required for (and only for) an fp8 out; got "
             f"{None if out_scale is None else 'a tensor'} for a {out.dtype} out"
         )
     if activation not in ("silu", "swiglu"):
@@ -601,4 +616,4 @@ def quantize_groups_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     padded = padded.view(rows, groups, group)
     scale = padded.abs().amax(-1).clamp(min=MIN_SCALE) / FP8_MAX
     q = (padded * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(FP8_DTYPE).view(rows, -1)[:, :cols], scale
+    return q.to(FP8_DTYPE).view(rows, -1)[:, :cols].contiguous(), scale

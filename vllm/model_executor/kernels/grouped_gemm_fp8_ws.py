@@ -3,9 +3,9 @@
 ``grouped_gemm_fp8_gated`` for 128-row tiles.
 
 Same contracts as the Triton kernels (per-row and per-channel scales, the
-permute's expert offsets, rows at or past ``offsets[E]`` never written), laid
-out with explicit warp roles, which Triton's ``tl.dot`` pipeline cannot
-express:
+permute's expert offsets, rows at or past ``offsets[E]`` never written), plus
+the activation quantized in groups (below), laid out with explicit warp
+roles, which Triton's ``tl.dot`` pipeline cannot express:
 
 - a loader partition fills a ring of ``STAGES`` slots (a ready and an empty
   mbarrier each): one warp issuing TMA boxes for A rows and weight rows, or
@@ -66,7 +66,8 @@ _cp_async = (
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
 BLOCK_N = gl.constexpr(256)
 BLOCK_K = gl.constexpr(128)
-# 3 x 48 KiB of boxes + store staging (2 x 32 KiB, gated 2 x 16 KiB).
+# 3 x 48 KiB of boxes + store staging (2 x 32 KiB; gated 2 x 16 KiB, or
+# 2 x 8 KiB for its fp8 output).
 STAGES = gl.constexpr(3)
 SUB = gl.constexpr(64)  # rows per consumer warpgroup
 # A consumer's 64 x BLOCK_N fp32 accumulator, one wgmma warpgroup.
@@ -762,7 +763,7 @@ def launch_gated(
         expert_first_token_offset,
         out,
         _descriptor(out, [SUB.value, BLOCK_N.value // 2]),
-        out if out_scale is None else out_scale,
+        out if out_scale is None else out_scale,  # never read without QUANT
         inter,
         k,
         num_experts,

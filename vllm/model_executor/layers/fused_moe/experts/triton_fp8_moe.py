@@ -13,11 +13,12 @@ intermediate in memory:
 4. GEMM2 reads that, quantized to fp8, and writes its rows into workspace2;
 5. the unpermute reduces each token's top-k rows into the output.
 
-Where both GEMMs run the Hopper kernels (above 64 rows per expert), GEMM1
-quantizes its own output in groups of 128 columns, into workspace13 after
-the tokens, and GEMM2 takes the group scales. Otherwise GEMM1 writes bf16
-into workspace2 and a pass quantizes it per row into workspace13 (the
-tokens are dead by then) before GEMM2 overwrites workspace2.
+Where both GEMMs run the Hopper kernels (above 64 routes per local expert
+on average), GEMM1 quantizes its own output in groups of 128 columns, into
+workspace13 after the tokens, and GEMM2 takes the group scales. Otherwise
+GEMM1 writes bf16 into workspace2 and a pass quantizes it per row into
+workspace13 (the tokens are dead by then) before GEMM2 overwrites
+workspace2.
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -35,8 +36,7 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
-    takes_gluon,
-    takes_gluon_gated,
+    takes_gluon_groups,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -91,11 +91,13 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
-        # workspace13: the M input tokens quantized, then (after them, or in
-        # their place) the R activation rows quantized.
+        # workspace13: the M input tokens quantized, then the R activation rows
+        # quantized: after them in groups, or per row in their place. Sized for
+        # the first, larger layout whichever path runs (+17 MiB at 8192
+        # tokens, qwen3-30b-a3b dims), so the size does not depend on the GPU.
         groups_bytes = align_up(rows * inter) + rows * act_groups(inter) * 4
         workspace13 = align_up(fp8_rows_bytes(M, K)) + groups_bytes
-        # workspace2: GEMM1's activation, then GEMM2's rows (16-bit).
+        # workspace2: GEMM1's bf16 activation (per-row path), then GEMM2's rows.
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
 
@@ -131,18 +133,17 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             moe.activation,
         )
         tokens_bytes = align_up(fp8_rows_bytes(num_tokens, hidden))
-        act_q, act_scale = carve_act_groups(workspace13, tokens_bytes, rows, inter)
+        act_q, group_scale = carve_act_groups(workspace13, tokens_bytes, rows, inter)
         down = carve(workspace2, (rows, hidden), output.dtype)
-        if takes_gluon_gated(a_q, self.w13, act_q) and takes_gluon(
-            act_q, self.w2, down
-        ):
-            gated(*gemm1_args, act_q, out_scale=act_scale)
+        if takes_gluon_groups(a_q, self.w13, act_q, self.w2, down):
+            gated(*gemm1_args, act_q, out_scale=group_scale)
+            gemm(act_q, group_scale, self.w2, self.w2_scale, offsets, down)
         else:
             act = carve(workspace2, (rows, inter), output.dtype)
             gated(*gemm1_args, act)
-            act_q, act_scale = carve_fp8_rows(workspace13, rows, inter)
+            row_q, row_scale = carve_fp8_rows(workspace13, rows, inter)
             # Rows past offsets[-1] (non-local routes) hold stale data: they are
             # quantized too (their count is on the device) and never read again.
-            quant_rows_fp8(act, act_q, act_scale)
-        gemm(act_q, act_scale, self.w2, self.w2_scale, offsets, down)
+            quant_rows_fp8(act, row_q, row_scale)
+            gemm(row_q, row_scale, self.w2, self.w2_scale, offsets, down)
         moe_unpermute(output, down, topk_weights, inv, offsets)
