@@ -164,6 +164,13 @@ needs_hopper = pytest.mark.skipif(
     reason="needs an sm90 GPU",
 )
 HALF_BOUNDARIES = [64, 65, 63, 128, 129, 0, 5, 300]  # full, partial, empty halves
+GATED_CASES = [  # tokens, topk, experts, inter, k, non-local routes
+    (1, 1, 4, 128, 128, 0),  # one row
+    (60, 3, 2, 208, 176, 9),  # partial gate/up tile (group) and K step
+    (300, 8, 16, 768, 2048, 0),  # model dims, ~150 rows per expert, six groups
+    (40, 4, 3, 64, 48, 0),  # fewer gate/up columns than a tile
+    (64, 8, 256, 128, 128, 0),  # 256 experts
+]
 
 
 def counted_gated_problem(
@@ -283,16 +290,7 @@ def test_group_scales_match_reference(counts, n, k):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("activation", ["silu", "swiglu"])
-@pytest.mark.parametrize(
-    "tokens,topk,experts,inter,k,invalid",
-    [
-        (1, 1, 4, 128, 128, 0),  # one row
-        (60, 3, 2, 208, 176, 9),  # partial last group; non-local routes
-        (300, 8, 16, 768, 2048, 0),  # model dims, six groups
-        (64, 8, 256, 128, 128, 0),  # 256 experts
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("tokens,topk,experts,inter,k,invalid", GATED_CASES, ids=str)
 def test_gated_quantized_matches_reference(
     activation, tokens, topk, experts, inter, k, invalid
 ):
@@ -429,17 +427,7 @@ def test_unsupported_calls_take_the_triton_kernels():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("activation", ["silu", "swiglu"])
-@pytest.mark.parametrize(
-    "tokens,topk,experts,inter,k,invalid",
-    [
-        (1, 1, 4, 128, 128, 0),  # one row
-        (60, 3, 2, 200, 176, 9),  # partial gate/up tile and K step; non-local routes
-        (300, 8, 16, 768, 2048, 0),  # model dims, ~150 rows per expert
-        (40, 4, 3, 64, 48, 0),  # fewer gate/up columns than a tile
-        (64, 8, 256, 128, 128, 0),  # 256 experts
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("tokens,topk,experts,inter,k,invalid", GATED_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gated_matches_reference(
     activation, tokens, topk, experts, inter, k, invalid, dtype
