@@ -164,6 +164,11 @@ needs_hopper = pytest.mark.skipif(
     reason="needs an sm90 GPU",
 )
 HALF_BOUNDARIES = [64, 65, 63, 128, 129, 0, 5, 300]  # full, partial, empty halves
+EXPERT_COUNTS = pytest.mark.parametrize(  # rows per expert
+    "counts",
+    [[1], [0, 70, 130, 1], HALF_BOUNDARIES, [0, 0, 0]],
+    ids=["one-row", "uneven", "half-boundaries", "empty"],
+)
 GATED_CASES = [  # tokens, topk, experts, inter, k, non-local routes
     (1, 1, 4, 128, 128, 0),  # one row
     (60, 3, 2, 208, 176, 9),  # partial gate/up tile (group) and K step
@@ -203,11 +208,7 @@ def model_gemm2(tokens: int, experts: int = 128) -> Problem:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    "counts",
-    [[1], [0, 70, 130, 1], HALF_BOUNDARIES, [0, 0, 0]],
-    ids=["one-row", "uneven", "half-boundaries", "empty"],
-)
+@EXPERT_COUNTS
 @pytest.mark.parametrize(
     "n,k", [(512, 256), (96, 48), (2048, 768), (264, 176)], ids=str
 )
@@ -260,11 +261,7 @@ def group_scales(rows: int, k: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize(
-    "counts",
-    [[1], [0, 70, 130, 1], HALF_BOUNDARIES, [0, 0, 0]],
-    ids=["one-row", "uneven", "half-boundaries", "empty"],
-)
+@EXPERT_COUNTS
 @pytest.mark.parametrize("n,k", [(512, 256), (2048, 768), (264, 176)], ids=str)
 def test_group_scales_match_reference(counts, n, k):
     """Per-group A scales (K 176: a partial last group), several N tiles,
