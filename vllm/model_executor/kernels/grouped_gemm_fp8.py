@@ -469,11 +469,10 @@ def grouped_gemm_fp8_gated(
     ``out`` [R, I] bf16/fp16, or fp8 quantized per row in groups of 128
     columns with ``out_scale`` [R, act_groups(I)] (``out * out_scale``
     restores the values; only the Hopper kernel writes it, and
-    :func:`grouped_gemm_fp8` takes it as ``a``, ``a_scale``).
-    The offsets (int64 [E + 1]) must ascend from
-    0 to at most R; offsets and routes live on the device and are not checked
-    (no host sync, CUDA-graph capturable). Kernel choice as in
-    :func:`grouped_gemm_fp8`."""
+    :func:`grouped_gemm_fp8` takes it as ``a``, ``a_scale``). The offsets
+    (int64 [E + 1]) must ascend from 0 to at most R; offsets and routes live
+    on the device and are not checked (no host sync, CUDA-graph capturable).
+    Kernel choice as in :func:`grouped_gemm_fp8`."""
     _check_gated(
         a,
         a_scale,
