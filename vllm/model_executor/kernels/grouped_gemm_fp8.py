@@ -38,8 +38,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
 from vllm.model_executor.kernels.activation_quant import (
-    FP8_MAX,
-    MIN_SCALE,
     MODES,
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
@@ -48,6 +46,9 @@ from vllm.model_executor.kernels.activation_quant import (
 )
 from vllm.model_executor.kernels.checks import check_contiguous
 from vllm.model_executor.kernels.device_info import persistent_programs
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    per_token_group_quant_fp8,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -291,6 +292,16 @@ def takes_gluon_groups(
     return takes_gluon_gated(a, w13, act_q) and takes_gluon(act_q, w2, out)
 
 
+def _off_hopper(
+    what: str, predicate: str, a: torch.Tensor, config: GroupedGemmConfig | None
+) -> ValueError:
+    """The error for a group-quantized call the Triton kernels would get."""
+    return ValueError(
+        f"{what} the Hopper kernel ({predicate}), which this call does not take "
+        f"(device {a.device}, config {config})"
+    )
+
+
 def _check_tma(name: str, t: torch.Tensor) -> None:
     """TMA boxes need 16-byte aligned rows (fp8: K a multiple of 16)."""
     if t.shape[-1] == 0 or t.shape[-1] % 16 or t.data_ptr() % 16:
@@ -369,10 +380,7 @@ def grouped_gemm_fp8(
         gluon_ws.launch(a, a_scale, w, w_scale, expert_first_token_offset, out)
         return out
     if a_scale.dim() == 2:
-        raise ValueError(
-            "a_scale: per-group scales need the Hopper kernel (takes_gluon), which "
-            f"this call does not take (device {a.device}, config {config})"
-        )
+        raise _off_hopper("a_scale: per-group scales need", "takes_gluon", a, config)
     cfg = config or default_config(rows, num_experts)
     programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(n, cfg.block_n)
@@ -505,10 +513,7 @@ def grouped_gemm_fp8_gated(
         )
         return out
     if out_scale is not None:
-        raise ValueError(
-            "out: an fp8 out needs the Hopper kernel (takes_gluon_gated), which "
-            f"this call does not take (device {a.device}, config {config})"
-        )
+        raise _off_hopper("out: an fp8 out needs", "takes_gluon_gated", a, config)
     cfg = config or default_gated_config(rows, num_experts)
     programs = persistent_programs(
         a.device, rows, num_experts, cfg.block_m, triton.cdiv(inter, cfg.block_n)
@@ -607,12 +612,9 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_groups_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 rows of ``y`` [R, C] with one scale per row and group of 128
-    columns (the gated GEMM's fp8 output), in plain PyTorch."""
-    rows, cols = y.shape
-    group = gluon_ws.GROUP.value
-    groups = act_groups(cols)
-    padded = torch.nn.functional.pad(y.float(), (0, groups * group - cols))
-    padded = padded.view(rows, groups, group)
-    scale = padded.abs().amax(-1).clamp(min=MIN_SCALE) / FP8_MAX
-    q = (padded * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(FP8_DTYPE).view(rows, -1)[:, :cols].contiguous(), scale
+    columns (the gated GEMM's fp8 output; a partial last group is padded
+    with zeros), in plain PyTorch."""
+    cols, group = y.shape[1], gluon_ws.GROUP.value
+    padded = torch.nn.functional.pad(y, (0, act_groups(cols) * group - cols))
+    q, scale = per_token_group_quant_fp8(padded, group)
+    return q[:, :cols].contiguous(), scale

@@ -26,18 +26,25 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 from vllm.v1.worker.workspace import align_up
 
 
-def fp8_rows_bytes(rows: int, cols: int) -> int:
-    """Bytes of ``rows`` fp8 rows of ``cols`` and their fp32 row scales."""
-    return align_up(rows * cols) + rows * 4
+def fp8_rows_bytes(rows: int, cols: int, groups: int = 1) -> int:
+    """Bytes of ``rows`` fp8 rows of ``cols`` and their fp32 scales,
+    ``groups`` per row."""
+    return align_up(rows * cols) + rows * groups * 4
 
 
 def carve_fp8_rows(
-    workspace: torch.Tensor, rows: int, cols: int
+    workspace: torch.Tensor,
+    rows: int,
+    cols: int,
+    groups: int | None = None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 [rows, cols] and, aligned after them, fp32 scales [rows], from the
-    start of a flat byte ``workspace``."""
-    q = carve(workspace, (rows, cols), FP8_DTYPE)
-    return q, carve(workspace, (rows,), torch.float32, align_up(q.numel()))
+    """fp8 [rows, cols] and, aligned after them, fp32 scales: [rows], or
+    [rows, groups] per column group; ``offset`` bytes into a flat byte
+    ``workspace``."""
+    q = carve(workspace, (rows, cols), FP8_DTYPE, offset)
+    shape = (rows,) if groups is None else (rows, groups)
+    return q, carve(workspace, shape, torch.float32, offset + align_up(q.numel()))
 
 
 class Fp8ChannelExperts(FusedMoEExperts):

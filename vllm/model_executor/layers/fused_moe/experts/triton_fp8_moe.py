@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    FP8_DTYPE,
     act_groups,
     deinterleave_gate_up,
     grouped_gemm_fp8,
@@ -51,16 +50,6 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_unpermute,
 )
 from vllm.v1.worker.workspace import align_up
-
-
-def carve_act_groups(
-    workspace: torch.Tensor, offset: int, rows: int, cols: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 [rows, cols] and their per-group fp32 scales [rows, act_groups(cols)],
-    ``offset`` bytes into a flat byte ``workspace``."""
-    q = carve(workspace, (rows, cols), FP8_DTYPE, offset)
-    scale_offset = offset + align_up(q.numel())
-    return q, carve(workspace, (rows, act_groups(cols)), torch.float32, scale_offset)
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
@@ -95,7 +84,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         # quantized: after them in groups, or per row in their place. Sized for
         # the first, larger layout whichever path runs (+17 MiB at 8192
         # tokens, qwen3-30b-a3b dims), so the size does not depend on the GPU.
-        groups_bytes = align_up(rows * inter) + rows * act_groups(inter) * 4
+        groups_bytes = fp8_rows_bytes(rows, inter, act_groups(inter))
         workspace13 = align_up(fp8_rows_bytes(M, K)) + groups_bytes
         # workspace2: GEMM1's bf16 activation (per-row path), then GEMM2's rows.
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
@@ -133,7 +122,9 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             moe.activation,
         )
         tokens_bytes = align_up(fp8_rows_bytes(num_tokens, hidden))
-        act_q, group_scale = carve_act_groups(workspace13, tokens_bytes, rows, inter)
+        act_q, group_scale = carve_fp8_rows(
+            workspace13, rows, inter, act_groups(inter), tokens_bytes
+        )
         down = carve(workspace2, (rows, hidden), output.dtype)
         if takes_gluon_groups(a_q, self.w13, act_q, self.w2, down):
             gated(*gemm1_args, act_q, out_scale=group_scale)
