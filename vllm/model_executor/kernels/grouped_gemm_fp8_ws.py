@@ -248,24 +248,22 @@ def _loader(
 
 
 @gluon.jit
-def _consumer(
-    a_scale_ptr,
-    w_scale_ptr,
-    offsets_ptr,
-    out_ptr,
-    out_desc,
-    N,
-    K,
-    groups,
-    num_experts,
-    a_boxes,
-    w_boxes,
-    ready,
-    empty,
-    HALF: gl.constexpr,
-    GROUPED: gl.constexpr,
-    BLOCK_E: gl.constexpr,
-):
+def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.constexpr):
+    (
+        a_scale_ptr,
+        w_scale_ptr,
+        offsets_ptr,
+        out_ptr,
+        out_desc,
+        N,
+        K,
+        groups,
+        num_experts,
+        a_boxes,
+        w_boxes,
+        ready,
+        empty,
+    ) = shared
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 4
@@ -344,50 +342,27 @@ def _grouped_gemm_fp8_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
         mbarrier.arrive(empty.index(i), count=2)  # every slot starts free
+    # The consumers' arguments, but for their half (Gluon cannot concatenate
+    # tuples in warp_specialize's argument lists).
+    shared = (
+        a_scale_ptr,
+        w_scale_ptr,
+        offsets_ptr,
+        out_ptr,
+        out_desc,
+        N,
+        K,
+        groups,
+        num_experts,
+        a_boxes,
+        w_boxes,
+        ready,
+        empty,
+    )
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    a_scale_ptr,
-                    w_scale_ptr,
-                    offsets_ptr,
-                    out_ptr,
-                    out_desc,
-                    N,
-                    K,
-                    groups,
-                    num_experts,
-                    a_boxes,
-                    w_boxes,
-                    ready,
-                    empty,
-                    0,
-                    GROUPED,
-                    BLOCK_E,
-                ),
-            ),
-            (
-                _consumer,
-                (
-                    a_scale_ptr,
-                    w_scale_ptr,
-                    offsets_ptr,
-                    out_ptr,
-                    out_desc,
-                    N,
-                    K,
-                    groups,
-                    num_experts,
-                    a_boxes,
-                    w_boxes,
-                    ready,
-                    empty,
-                    1,
-                    GROUPED,
-                    BLOCK_E,
-                ),
-            ),
+            (_consumer, (shared, 0, GROUPED, BLOCK_E)),
+            (_consumer, (shared, 1, GROUPED, BLOCK_E)),
             (
                 _loader,
                 (
@@ -467,21 +442,7 @@ def _gather_loader(
 
 @gluon.jit
 def _gated_consumer(
-    a_scale_ptr,
-    src_routes_ptr,
-    topk,
-    w_scale_ptr,
-    offsets_ptr,
-    out_ptr,
-    out_desc,
-    out_scale_ptr,
-    inter,
-    K,
-    num_experts,
-    a_boxes,
-    w_boxes,
-    ready,
-    empty,
+    shared,
     HALF: gl.constexpr,
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
@@ -489,6 +450,23 @@ def _gated_consumer(
     QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
+    (
+        a_scale_ptr,
+        src_routes_ptr,
+        topk,
+        w_scale_ptr,
+        offsets_ptr,
+        out_ptr,
+        out_desc,
+        out_scale_ptr,
+        inter,
+        K,
+        num_experts,
+        a_boxes,
+        w_boxes,
+        ready,
+        empty,
+    ) = shared
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, OUT_N], out_desc.layout)
@@ -594,60 +572,27 @@ def _grouped_gemm_fp8_gated_ws_kernel(
         mbarrier.init(ready.index(i), count=GATHER_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)
         mbarrier.arrive(empty.index(i), count=2)
+    shared = (  # the consumers' arguments, but for their half
+        a_scale_ptr,
+        src_routes_ptr,
+        topk,
+        w_scale_ptr,
+        offsets_ptr,
+        out_ptr,
+        out_desc,
+        out_scale_ptr,
+        inter,
+        K,
+        num_experts,
+        a_boxes,
+        w_boxes,
+        ready,
+        empty,
+    )
     gl.warp_specialize(
         [
-            (
-                _gated_consumer,
-                (
-                    a_scale_ptr,
-                    src_routes_ptr,
-                    topk,
-                    w_scale_ptr,
-                    offsets_ptr,
-                    out_ptr,
-                    out_desc,
-                    out_scale_ptr,
-                    inter,
-                    K,
-                    num_experts,
-                    a_boxes,
-                    w_boxes,
-                    ready,
-                    empty,
-                    0,
-                    MODE,
-                    ALPHA,
-                    LIMIT,
-                    QUANT,
-                    BLOCK_E,
-                ),
-            ),
-            (
-                _gated_consumer,
-                (
-                    a_scale_ptr,
-                    src_routes_ptr,
-                    topk,
-                    w_scale_ptr,
-                    offsets_ptr,
-                    out_ptr,
-                    out_desc,
-                    out_scale_ptr,
-                    inter,
-                    K,
-                    num_experts,
-                    a_boxes,
-                    w_boxes,
-                    ready,
-                    empty,
-                    1,
-                    MODE,
-                    ALPHA,
-                    LIMIT,
-                    QUANT,
-                    BLOCK_E,
-                ),
-            ),
+            (_gated_consumer, (shared, 0, MODE, ALPHA, LIMIT, QUANT, BLOCK_E)),
+            (_gated_consumer, (shared, 1, MODE, ALPHA, LIMIT, QUANT, BLOCK_E)),
             (
                 _gather_loader,
                 (
