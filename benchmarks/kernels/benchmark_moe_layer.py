@@ -5,11 +5,12 @@ given) timed under CUDA-graph replay, its TFLOP/s, and two references on data
 of the same routing:
 
 - the layer's own two GEMMs alone, and the share of the layer's time outside
-  them (1 - GEMMs / layer): ``torch._grouped_mm`` for bf16,
-  ``_scaled_grouped_mm`` for cutlass, the Triton kernels for triton_fp8
-  (whose GEMM1 has the gather and the activation fused in, so outside them
-  are the input quantization, the sort, the unpermute and, where GEMM1 does
-  not quantize its own output, the activation's quantization);
+  them (1 - GEMMs / layer): ``torch._grouped_mm`` for grouped_mm,
+  ``_scaled_grouped_mm`` for cutlass, this project's kernels for triton and
+  triton_fp8 (whose GEMM1 has the gather and the activation fused in, so
+  outside them are the sort, the unpermute and for FP8 the input
+  quantization and, where GEMM1 does not quantize its own output, the
+  activation's quantization);
 - torch's grouped GEMMs alone (``_grouped_mm`` / ``_scaled_grouped_mm``), the
   alternative a user would pick, for every bf16 and FP8 per-token layer.
 
@@ -36,6 +37,11 @@ from benchmarks.kernels.bench_utils import (
     time_graph_us,
     write_results,
 )
+from vllm.model_executor.kernels.device_info import capability
+from vllm.model_executor.kernels.grouped_gemm_bf16 import (
+    grouped_gemm_bf16,
+    grouped_gemm_bf16_gated,
+)
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
@@ -56,6 +62,7 @@ from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -72,6 +79,7 @@ from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_man
 # Benchmark label -> (experts backend, scheme).
 BACKENDS = {
     "grouped_mm": ("grouped_mm", QuantScheme.UNQUANTIZED),
+    "triton": ("triton", QuantScheme.UNQUANTIZED),
     "cutlass": ("cutlass", QuantScheme.FP8_PER_TOKEN),
     "triton_fp8": ("triton_fp8", QuantScheme.FP8_PER_TOKEN),
     "humming": ("humming", QuantScheme.W4A16_UINT4),
@@ -187,12 +195,39 @@ def bench(
         gemm_us = torch_gemm_us
     elif isinstance(experts, TritonExpertsFp8) and cuda:  # kernels only
         gemm_us = timer(triton_fp8_gemms(experts, hidden, src_routes, offsets))
+    elif isinstance(experts, TritonExperts) and cuda:
+        gemm_us = timer(triton_gemms(experts, hidden, src_routes, offsets))
     share = None if gemm_us is None else max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
     peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
     return Row(
         label, tokens, layer_us, tflops, tflops / peak, gemm_us, share, torch_gemm_us
     )
+
+
+def triton_gemms(
+    experts: TritonExperts,
+    hidden: torch.Tensor,
+    src_routes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> Callable[[int], None]:
+    """The bf16 layer's two GEMMs: GEMM1 with its gather and activation,
+    GEMM2."""
+    moe = experts.moe
+    rows = src_routes.shape[0]
+    act, down = (
+        torch.empty(rows, cols, device=hidden.device, dtype=hidden.dtype)
+        for cols in (moe.intermediate_size, moe.hidden_size)
+    )
+    topk = moe.experts_per_token
+
+    def step(it: int) -> None:
+        grouped_gemm_bf16_gated(
+            hidden, src_routes, topk, experts.w13, offsets, moe.activation, act
+        )
+        grouped_gemm_bf16(act, experts.w2, offsets, down)
+
+    return step
 
 
 def triton_fp8_gemms(
@@ -253,10 +288,13 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
+    # triton (bf16) runs on Hopper only; the CPU runs its references.
+    hopper = not cuda or capability(device) == (9, 0)
     backends = args.backends or [
         b
         for b, (backend, _) in BACKENDS.items()
-        if backend != "humming" or humming_available()
+        if (backend != "humming" or humming_available())
+        and (backend != "triton" or hopper)
     ]
     tokens = args.tokens or ([1, 64, 1024, 8192] if cuda else [1, 16])
     dims = (args.num_experts, args.topk, args.hidden_size, args.intermediate_size)

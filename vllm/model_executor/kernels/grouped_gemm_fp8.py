@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vllm.model_executor.kernels import grouped_gemm_fp8_ws as gluon_ws
+from vllm.model_executor.kernels import grouped_gemm_ws as gluon_ws
 from vllm.model_executor.kernels.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
@@ -366,7 +366,7 @@ def grouped_gemm_fp8(
     host sync and no allocation (CUDA-graph capturable).
 
     Without a ``config``, 128-row tiles on Hopper run the warp-specialized
-    kernel (:mod:`grouped_gemm_fp8_ws`, :func:`takes_gluon`), which halves
+    kernel (:mod:`grouped_gemm_ws`, :func:`takes_gluon`), which halves
     the cost of half-empty tiles at expert boundaries; a ``config`` always
     runs this module's."""
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)

@@ -13,6 +13,7 @@ import weakref
 import torch
 from torch import nn
 
+from vllm.model_executor.kernels.device_info import capability
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
@@ -21,6 +22,7 @@ from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     FusedMoEModularKernel,
@@ -33,7 +35,15 @@ from vllm.v1.worker.workspace import (
     is_workspace_manager_initialized,
 )
 
-BACKENDS = ("auto", "grouped_mm", "cutlass", "triton_fp8", "humming", "marlin")
+BACKENDS = (
+    "auto",
+    "grouped_mm",
+    "triton",
+    "cutlass",
+    "triton_fp8",
+    "humming",
+    "marlin",
+)
 
 _layers: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
 
@@ -44,13 +54,17 @@ def make_experts(
     """Prepare experts for ``moe.quant_config`` from full-precision weights."""
     scheme = moe.quant_config.scheme
     if backend == "auto":
+        hopper = capability(w13.device) == (9, 0)
         backend = {
-            QuantScheme.UNQUANTIZED: "grouped_mm",
+            # The fused pipeline where its kernels run (RESULTS: 1.xx faster).
+            QuantScheme.UNQUANTIZED: "triton" if hopper else "grouped_mm",
             # 1.3-3x faster GEMMs than _scaled_grouped_mm on the H200.
             QuantScheme.FP8_PER_TOKEN: "triton_fp8",
         }.get(scheme, "humming")
     if backend == "grouped_mm":
         return GroupedMMExperts(moe, w13, w2)
+    if backend == "triton":
+        return TritonExperts(moe, w13, w2)
     if backend == "cutlass":
         return CutlassExpertsFp8.from_unquantized(moe, w13, w2)
     if backend == "triton_fp8":

@@ -17,7 +17,7 @@ from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     gated_problem,
     problem,
 )
-from vllm.model_executor.kernels import grouped_gemm_fp8_ws as ws
+from vllm.model_executor.kernels import grouped_gemm_ws as ws
 from vllm.model_executor.kernels.activation_quant import (
     FP8_MAX,
     MIN_SCALE,
@@ -43,29 +43,22 @@ GROUP = ws.GROUP.value
 COMPILED = "compiled for sm90:"
 
 
-def compile_for_sm90() -> None:
-    """Compiles both kernels for Hopper, per-row and group-quantized, with 4
-    and 256 experts, and prints
-    per build whether its PTX holds wgmma and its shared memory bytes (run
-    by the test below in a process of its own)."""
-    # Triton internals: imported here, so that a move fails this test only.
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+def kernel_args(
+    operand: torch.dtype,
+) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
+    """Host arguments of the plain, gated and fp8-out gated kernels for
+    ``operand`` (fp8 or 16-bit) A and weights, as the launchers pass them."""
     rows, experts, n, k, topk = 256, 4, 512, 256, 2
-    fp8 = torch.float8_e4m3fn
-    a, w = torch.empty(rows, k, dtype=fp8), torch.empty(experts * n, k, dtype=fp8)
+    a = torch.empty(rows, k, dtype=operand)
+    w = torch.empty(experts * n, k, dtype=operand)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
-    act_q = torch.empty(rows, n // 2, dtype=fp8)
-    block = [ws.BLOCK_M.value, ws.BLOCK_K.value]
-    w_block = [ws.BLOCK_N.value, ws.BLOCK_K.value]
+    act_q = torch.empty(rows, n // 2, dtype=FP8_DTYPE)
     out_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value]
     act_block = [ws.BLOCK_M.value // 2, ws.BLOCK_N.value // 2]
     plain = {
-        "a_desc": ws._descriptor(a, block),
-        "w_desc": ws._descriptor(w, w_block),
+        "a_desc": ws._k_box(a, ws.BLOCK_M.value),
+        "w_desc": ws._k_box(w, ws.BLOCK_N.value),
         "a_scale_ptr": torch.empty(rows),
         "w_scale_ptr": torch.empty(experts * n),
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
@@ -80,7 +73,7 @@ def compile_for_sm90() -> None:
         "a_ptr": a,
         "a_scale_ptr": torch.empty(rows),
         "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
-        "w_desc": ws._descriptor(w, w_block),
+        "w_desc": ws._k_box(w, ws.BLOCK_N.value),
         "w_scale_ptr": torch.empty(experts * n),
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": act,
@@ -92,23 +85,37 @@ def compile_for_sm90() -> None:
         "topk": topk,
     }
     quantized = {**gated, "out_desc": ws._descriptor(act_q, act_block)}
+    return plain, gated, quantized
+
+
+def compile_for_sm90() -> None:
+    """Compiles both kernels for Hopper with 4 and 256 experts: fp8 per-row
+    and group-quantized, and bf16. Prints per build whether its PTX holds
+    wgmma and its shared memory bytes (run by the test below in a process
+    of its own)."""
+    # Triton internals: imported here, so that a move fails this test only.
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    plain, gated, quantized = kernel_args(FP8_DTYPE)
+    plain16, gated16, _ = kernel_args(torch.bfloat16)
     act_consts = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
+    gated_consts = {**act_consts, "QUANT": False}
     for (kernel, args, consts), block_e in itertools.product(
         (
-            (ws._grouped_gemm_fp8_ws_kernel, plain, {"GROUPED": False}),
-            (ws._grouped_gemm_fp8_ws_kernel, plain, {"GROUPED": True}),
+            (ws._grouped_gemm_ws_kernel, plain, {"GROUPED": False}),
+            (ws._grouped_gemm_ws_kernel, plain, {"GROUPED": True}),
+            (ws._grouped_gemm_gated_ws_kernel, gated, gated_consts),
             (
-                ws._grouped_gemm_fp8_gated_ws_kernel,
-                gated,
-                {**act_consts, "QUANT": False},
-            ),
-            (
-                ws._grouped_gemm_fp8_gated_ws_kernel,
+                ws._grouped_gemm_gated_ws_kernel,
                 quantized,
                 {**act_consts, "QUANT": True},
             ),
+            (ws._grouped_gemm_ws_kernel, plain16, {"GROUPED": False}),
+            (ws._grouped_gemm_gated_ws_kernel, gated16, gated_consts),
         ),
-        (experts, 256),
+        (4, 256),
     ):
         consts = {**consts, "BLOCK_E": block_e}
         signature = {name: mangle_type(value) for name, value in args.items()}
@@ -135,7 +142,7 @@ def test_compiles_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).parents[3]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    module = "tests.model_executor.kernels.test_grouped_gemm_fp8_ws"
+    module = "tests.model_executor.kernels.test_grouped_gemm_ws"
     code = f"from {module} import compile_for_sm90; compile_for_sm90()"
     run = subprocess.run(
         [sys.executable, "-c", code],
@@ -148,7 +155,7 @@ def test_compiles_for_sm90_without_a_gpu():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     kernels = [json.loads(x[len(COMPILED) :]) for x in lines if x.startswith(COMPILED)]
-    assert len(kernels) == 8
+    assert len(kernels) == 12
     for has_wgmma, shared in kernels:
         assert has_wgmma
         assert 0 < shared <= H200_SHARED_BYTES

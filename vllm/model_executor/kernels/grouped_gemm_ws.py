@@ -1,11 +1,13 @@
-"""Warp-specialized FP8 grouped GEMMs for Hopper (Gluon): the sm90 path of
+"""Warp-specialized grouped GEMMs for Hopper (Gluon): the sm90 path of
 :func:`~vllm.model_executor.kernels.grouped_gemm_fp8.grouped_gemm_fp8` and
-``grouped_gemm_fp8_gated`` for 128-row tiles.
+``grouped_gemm_fp8_gated`` for 128-row tiles, and the only path of their
+16-bit counterparts in :mod:`grouped_gemm_bf16`.
 
-Same contracts as the Triton kernels (per-row and per-channel scales, the
-permute's expert offsets, rows at or past ``offsets[E]`` never written), plus
-the activation quantized in groups (below), laid out with explicit warp
-roles, which Triton's ``tl.dot`` pipeline cannot express:
+Same contracts as the Triton kernels (fp8 with per-row and per-channel
+scales, or bf16/fp16 without; the permute's expert offsets, rows at or past
+``offsets[E]`` never written), plus the activation quantized in groups
+(below), laid out with explicit warp roles, which Triton's ``tl.dot``
+pipeline cannot express:
 
 - a loader partition fills a ring of ``STAGES`` slots (a ready and an empty
   mbarrier each): one warp issuing TMA boxes for A rows and weight rows, or
@@ -65,17 +67,13 @@ _cp_async = (
 
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups x 64 rows
 BLOCK_N = gl.constexpr(256)
-BLOCK_K = gl.constexpr(128)
+# Bytes of K per ring step: one 128-byte swizzled row of each box (fp8 128
+# columns, 16-bit 64), so both dtypes move the same bytes per step.
+K_BYTES = gl.constexpr(128)
 # 3 x 48 KiB of boxes + store staging (2 x 32 KiB; gated 2 x 16 KiB, or
 # 2 x 8 KiB for its fp8 output).
 STAGES = gl.constexpr(3)
 SUB = gl.constexpr(64)  # rows per consumer warpgroup
-# A consumer's 64 x BLOCK_N fp32 accumulator, one wgmma warpgroup.
-ACC_LAYOUT = gl.constexpr(
-    gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N.value, 32]
-    )
-)
 # Registers per thread: the consumers hold their accumulator (128) and
 # epilogue; the loaders the per-expert tile table. ptxas -v (Triton 3.6):
 # no spills in the plain kernel at 128 experts, 4 bytes at 256; 64-80 bytes
@@ -86,7 +84,7 @@ GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
 # Columns per scale of a group-quantized activation: the gated GEMM's output
 # tile quantizes itself, and the plain GEMM takes one group per K step.
 GROUP = gl.constexpr(128)
-assert GROUP.value == BLOCK_K.value == BLOCK_N.value // 2
+assert GROUP.value == K_BYTES.value == BLOCK_N.value // 2  # one fp8 K step
 _FP8_MAX = gl.constexpr(FP8_MAX)
 _MIN_SCALE = gl.constexpr(MIN_SCALE)
 
@@ -99,6 +97,27 @@ _GL_DTYPES = {
 
 # The activation as the Triton GEMMs apply it, compiled as Gluon.
 _gated_act = gluon.jit(gated_act.fn)
+
+
+@gluon.constexpr_function
+def _block_k(dtype: gl.dtype) -> int:
+    return K_BYTES.value * 8 // dtype.primitive_bitwidth
+
+
+@gluon.constexpr_function
+def _scaled(dtype: gl.dtype) -> bool:
+    """fp8 operands carry scales; 16-bit ones do not."""
+    return dtype.primitive_bitwidth == 8
+
+
+@gluon.constexpr_function
+def _acc_layout(dtype: gl.dtype) -> gl.NVMMADistributedLayout:
+    """A consumer's 64 x BLOCK_N fp32 accumulator, one wgmma warpgroup whose
+    instruction K is 32 bytes of the operand dtype."""
+    instr_k = 256 // dtype.primitive_bitwidth
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N.value, instr_k]
+    )
 
 
 @gluon.jit
@@ -166,13 +185,15 @@ def _mainloop(
     of the current step's scales: rescaled by old / new before each step's
     MMA, which needs the previous MMA finished. It is returned with the last
     step's scales. Otherwise the scales are ones."""
-    acc = gl.zeros((SUB, BLOCK_N), gl.float32, ACC_LAYOUT)
-    scale = gl.full((SUB,), 1.0, gl.float32, gl.SliceLayout(1, ACC_LAYOUT))
+    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
+    acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
+    acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
+    scale = gl.full((SUB,), 1.0, gl.float32, gl.SliceLayout(1, acc_layout))
     prev_slot = 0
     for k in range(0, K, BLOCK_K):
         slot = step % STAGES
         if GROUPED:  # issued before the waits, which hide its latency
-            next_scale = gl.load(group_scales + k // BLOCK_K, mask=row_ok, other=1.0)
+            next_scale = gl.load(group_scales + k // GROUP, mask=row_ok, other=1.0)
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         if GATHERED:  # cp.async wrote the A rows: order them before the MMA's reads
             fence_async_shared()
@@ -199,7 +220,7 @@ def _mainloop(
 
 
 @gluon.jit
-def _skip(ready, empty, step, K):
+def _skip(ready, empty, step, K, BLOCK_K: gl.constexpr):
     """No rows in this warpgroup's half: release the slots the loader fills."""
     for _ in range(0, K, BLOCK_K):
         slot = step % STAGES
@@ -223,6 +244,7 @@ def _loader(
     empty,
     BLOCK_E: gl.constexpr,
 ):
+    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 1
     )
@@ -236,7 +258,7 @@ def _loader(
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
             # Boxes past a tensor's end are zero-filled and still count in full.
-            mbarrier.expect(ready.index(slot), (BLOCK_M + BLOCK_N) * BLOCK_K)
+            mbarrier.expect(ready.index(slot), (BLOCK_M + BLOCK_N) * K_BYTES)
             _tma_load(a_desc, [row_start, k], ready.index(slot), a_boxes.index(slot))
             _tma_load(
                 w_desc,
@@ -264,6 +286,7 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
         ready,
         empty,
     ) = shared
+    acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 4
@@ -276,7 +299,7 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
         )
         first_row = row_start + HALF * SUB
         if first_row < row_end:
-            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
+            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
             row_ok = rows < row_end
             acc, a_scale, step = _mainloop(
                 a_boxes,
@@ -291,13 +314,17 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
                 False,
                 GROUPED,
             )
-            if not GROUPED:
-                a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
             cols = n_tile * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, ACC_LAYOUT)
+                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
             )
-            w_scale = gl.load(w_scale_ptr + expert * N + cols, mask=cols < N, other=0.0)
-            y = (acc * a_scale[:, None] * w_scale[None, :]).to(out_desc.dtype)
+            if _scaled(w_boxes.dtype):
+                if not GROUPED:
+                    a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+                w_scale = gl.load(
+                    w_scale_ptr + expert * N + cols, mask=cols < N, other=0.0
+                )
+                acc = acc * a_scale[:, None] * w_scale[None, :]
+            y = acc.to(out_desc.dtype)
             if row_end - first_row >= SUB:
                 tma.store_wait(0)  # the previous tile's store has left staging
                 staging.store(y)
@@ -310,12 +337,12 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
                     mask=row_ok[:, None] & (cols < N)[None, :],
                 )
         else:
-            step = _skip(ready, empty, step, K)
+            step = _skip(ready, empty, step, K, _block_k(w_boxes.dtype))
     tma.store_wait(0)
 
 
 @gluon.jit
-def _grouped_gemm_fp8_ws_kernel(
+def _grouped_gemm_ws_kernel(
     a_desc,
     w_desc,
     a_scale_ptr,
@@ -330,6 +357,7 @@ def _grouped_gemm_fp8_ws_kernel(
     GROUPED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
+    BLOCK_K: gl.constexpr = _block_k(w_desc.dtype)
     a_boxes = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout
     )
@@ -404,7 +432,11 @@ def _gather_loader(
     """The gated GEMM's loader: each row's token from the unpermuted input by
     cp.async (rows past the expert's end and K read as zeros), the weight
     rows by TMA; the slot is ready when both have landed."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
+    # 16 bytes per thread, 8 threads per 128-byte row.
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, BLOCK_K // 8], [4, 8], [GATHER_WARPS, 1], [1, 0]
+    )
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, GATHER_WARPS
     )
@@ -430,7 +462,7 @@ def _gather_loader(
             # Each thread's arrival waits for its copies (one of the
             # GATHER_WARPS * 32 + 1 arrivals the slot expects).
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-            mbarrier.expect(ready.index(slot), BLOCK_N * BLOCK_K)
+            mbarrier.expect(ready.index(slot), BLOCK_N * K_BYTES)
             _tma_load(
                 w_desc,
                 [expert * W_N + n_tile * BLOCK_N, k],
@@ -468,6 +500,7 @@ def _gated_consumer(
         empty,
     ) = shared
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
+    acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, OUT_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
@@ -484,20 +517,22 @@ def _gated_consumer(
             acc, _, step = _mainloop(
                 a_boxes, w_boxes, ready, empty, step, K, None, None, HALF, True, False
             )
-
-            rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, ACC_LAYOUT))
-            row_ok = rows < row_end
-            tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
-            a_scale = gl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
-            w_rows = n_tile * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, ACC_LAYOUT)
-            )
-            w_scale = gl.load(
-                w_scale_ptr + expert * 2 * inter + w_rows,
-                mask=w_rows < 2 * inter,
-                other=0.0,
-            )
-            acc = acc * a_scale[:, None] * w_scale[None, :]
+            if _scaled(w_boxes.dtype):
+                rows = first_row + gl.arange(
+                    0, SUB, layout=gl.SliceLayout(1, acc_layout)
+                )
+                row_ok = rows < row_end
+                tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
+                a_scale = gl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
+                w_rows = n_tile * BLOCK_N + gl.arange(
+                    0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
+                )
+                w_scale = gl.load(
+                    w_scale_ptr + expert * 2 * inter + w_rows,
+                    mask=w_rows < 2 * inter,
+                    other=0.0,
+                )
+                acc = acc * a_scale[:, None] * w_scale[None, :]
             gate, up = gl.split(gl.reshape(acc, (SUB, OUT_N, 2)))
             y = _gated_act(gate, up, MODE, ALPHA, LIMIT)
             if QUANT:  # fp8 with one scale per row of this tile's GROUP columns
@@ -532,12 +567,12 @@ def _gated_consumer(
                     mask=(out_rows < row_end)[:, None] & (out_cols < inter)[None, :],
                 )
         else:
-            step = _skip(ready, empty, step, K)
+            step = _skip(ready, empty, step, K, _block_k(w_boxes.dtype))
     tma.store_wait(0)
 
 
 @gluon.jit
-def _grouped_gemm_fp8_gated_ws_kernel(
+def _grouped_gemm_gated_ws_kernel(
     a_ptr,
     a_scale_ptr,
     src_routes_ptr,
@@ -557,11 +592,12 @@ def _grouped_gemm_fp8_gated_ws_kernel(
     QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
+    BLOCK_K: gl.constexpr = _block_k(w_desc.dtype)
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, BLOCK_K], gl.float8e4nv
+        [BLOCK_M, BLOCK_K], w_desc.dtype
     )
     a_boxes = gl.allocate_shared_memory(
-        gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout
+        w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout
     )
     w_boxes = gl.allocate_shared_memory(
         w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
@@ -644,33 +680,41 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
+def _k_box(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A ring box of ``rows`` rows of operand ``t`` [*, K]: K_BYTES of K."""
+    return _descriptor(t, [rows, K_BYTES.value // t.element_size()])
+
+
 def launch(
     a: torch.Tensor,
-    a_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
     w: torch.Tensor,
-    w_scale: torch.Tensor,
+    w_scale: torch.Tensor | None,
     expert_first_token_offset: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Runs the kernel on arguments ``grouped_gemm_fp8`` has checked (shapes,
-    dtypes, TMA alignment of ``a`` and ``w``) and :func:`supports`; a 2-D
-    ``a_scale`` [R, cdiv(K, GROUP)] holds per-group row scales."""
+    """Runs the kernel on arguments ``grouped_gemm_fp8`` or
+    ``grouped_gemm_bf16`` has checked (shapes, dtypes, TMA alignment of
+    ``a`` and ``w``) and :func:`supports`. fp8 operands come with scales (a
+    2-D ``a_scale`` [R, cdiv(K, GROUP)] holds per-group row scales), 16-bit
+    ones with ``None``."""
     num_experts, n, k = w.shape
-    grouped = a_scale.dim() == 2
+    grouped = a_scale is not None and a_scale.dim() == 2
+    groups = a_scale.shape[1] if a_scale is not None and grouped else 1
     programs = persistent_programs(
         a.device, a.shape[0], num_experts, BLOCK_M.value, triton.cdiv(n, BLOCK_N.value)
     )
-    _grouped_gemm_fp8_ws_kernel[(programs,)](
-        _descriptor(a, [BLOCK_M.value, BLOCK_K.value]),
-        _descriptor(w.view(-1, k), [BLOCK_N.value, BLOCK_K.value]),
-        a_scale,
-        w_scale,
+    _grouped_gemm_ws_kernel[(programs,)](
+        _k_box(a, BLOCK_M.value),
+        _k_box(w.view(-1, k), BLOCK_N.value),
+        out if a_scale is None else a_scale,  # scales are never read for 16 bits
+        out if w_scale is None else w_scale,
         expert_first_token_offset,
         out,
         _descriptor(out, [SUB.value, BLOCK_N.value]),
         n,
         k,
-        a_scale.shape[1] if grouped else 1,
+        groups,
         num_experts,
         GROUPED=grouped,
         BLOCK_E=triton.next_power_of_2(num_experts),
@@ -680,31 +724,31 @@ def launch(
 
 def launch_gated(
     a: torch.Tensor,
-    a_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
     src_routes: torch.Tensor,
     topk: int,
     w13: torch.Tensor,
-    w13_scale: torch.Tensor,
+    w13_scale: torch.Tensor | None,
     expert_first_token_offset: torch.Tensor,
     activation: str,
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
 ) -> None:
-    """Runs the gated kernel on arguments ``grouped_gemm_fp8_gated`` has
-    checked (shapes, dtypes, TMA alignment of ``w13``) and
-    :func:`supports_gated`; an fp8 ``out`` takes per-group row scales
-    ``out_scale`` [R, cdiv(I, GROUP)]."""
+    """Runs the gated kernel on arguments ``grouped_gemm_fp8_gated`` or
+    ``grouped_gemm_bf16_gated`` has checked (shapes, dtypes, TMA alignment of
+    ``w13``) and :func:`supports_gated`; scales as in :func:`launch`, and an
+    fp8 ``out`` takes per-group row scales ``out_scale`` [R, cdiv(I, GROUP)]."""
     num_experts, w_n, k = w13.shape
     rows, inter = out.shape
     programs = persistent_programs(
         a.device, rows, num_experts, BLOCK_M.value, triton.cdiv(w_n, BLOCK_N.value)
     )
-    _grouped_gemm_fp8_gated_ws_kernel[(programs,)](
+    _grouped_gemm_gated_ws_kernel[(programs,)](
         a,
-        a_scale,
+        out if a_scale is None else a_scale,  # scales are never read for 16 bits
         src_routes,
-        _descriptor(w13.view(-1, k), [BLOCK_N.value, BLOCK_K.value]),
-        w13_scale,
+        _k_box(w13.view(-1, k), BLOCK_N.value),
+        out if w13_scale is None else w13_scale,
         expert_first_token_offset,
         out,
         _descriptor(out, [SUB.value, BLOCK_N.value // 2]),
