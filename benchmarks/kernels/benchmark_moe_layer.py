@@ -16,7 +16,10 @@ of the same routing:
 
 Humming and Marlin layers run their own GEMMs and have no share.
 ``--breakdown`` also profiles each layer at the largest token count and
-prints the device time per kernel (where the time outside the GEMMs goes).
+prints the device time per kernel (where the time outside the GEMMs goes)
+and the share outside the GEMM kernels of the same calls, which unlike the
+GEMMs-alone share does not depend on the clocks staying the same between
+two timings (the bf16 GEMMs' time drifts by up to 10% over a run).
 
     python -m benchmarks.kernels.benchmark_moe_layer --tokens 1024 8192
 """
@@ -352,7 +355,9 @@ def main() -> None:
         )
     for layer, kernels in breakdowns.items():
         total = sum(us for _, us in kernels)
-        print(f"\n{layer} tokens: {total:.1f} us of kernels per call")
+        gemms = sum(us for kernel_name, us in kernels if "gemm" in kernel_name.lower())
+        share = f", {100 * (1 - gemms / total):.1f}% outside the GEMM kernels"
+        print(f"\n{layer} tokens: {total:.1f} us of kernels per call{share}")
         for kernel_name, us in kernels:
             print(f"  {us:>8.1f} us {100 * us / total:>4.0f}%  {kernel_name[:90]}")
     write_results(args.output_json, name, rows, kernel_breakdown=breakdowns)

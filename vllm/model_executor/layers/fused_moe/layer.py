@@ -56,7 +56,7 @@ def make_experts(
     if backend == "auto":
         hopper = capability(w13.device) == (9, 0)
         backend = {
-            # The fused pipeline where its kernels run: 1.18-1.37x the
+            # The fused pipeline where its kernels run: 1.16-1.37x the
             # grouped_mm layer from 64 to 8192 tokens on the H200.
             QuantScheme.UNQUANTIZED: "triton" if hopper else "grouped_mm",
             # 1.3-3x faster GEMMs than _scaled_grouped_mm on the H200.
