@@ -355,9 +355,11 @@ def main() -> None:
         )
     for layer, kernels in breakdowns.items():
         total = sum(us for _, us in kernels)
-        gemms = sum(us for kernel_name, us in kernels if "gemm" in kernel_name.lower())
-        share = f", {100 * (1 - gemms / total):.1f}% outside the GEMM kernels"
-        print(f"\n{layer} tokens: {total:.1f} us of kernels per call{share}")
+        gemm_us = sum(us for kernel, us in kernels if "gemm" in kernel.lower())
+        print(
+            f"\n{layer} tokens: {total:.1f} us of kernels per call, "
+            f"{100 * (1 - gemm_us / total):.1f}% outside the GEMM kernels"
+        )
         for kernel_name, us in kernels:
             print(f"  {us:>8.1f} us {100 * us / total:>4.0f}%  {kernel_name[:90]}")
     write_results(args.output_json, name, rows, kernel_breakdown=breakdowns)
