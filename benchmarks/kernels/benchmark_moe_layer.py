@@ -40,7 +40,7 @@ from benchmarks.kernels.bench_utils import (
     time_graph_us,
     write_results,
 )
-from vllm.model_executor.kernels.device_info import capability
+from vllm.model_executor.kernels.device_info import is_hopper
 from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16,
     grouped_gemm_bf16_gated,
@@ -292,12 +292,12 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     # triton (bf16) runs on Hopper only; the CPU runs its references.
-    hopper = not cuda or capability(device) == (9, 0)
+    triton_runs = not cuda or is_hopper(device)
     backends = args.backends or [
         b
         for b, (backend, _) in BACKENDS.items()
         if (backend != "humming" or humming_available())
-        and (backend != "triton" or hopper)
+        and (backend != "triton" or triton_runs)
     ]
     tokens = args.tokens or ([1, 64, 1024, 8192] if cuda else [1, 16])
     dims = (args.num_experts, args.topk, args.hidden_size, args.intermediate_size)

@@ -22,12 +22,13 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
     QuantScheme,
 )
-from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe
+from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe, triton_moe
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import TritonExpertsFp8
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE, make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -43,9 +44,11 @@ from vllm.v1.worker.workspace import (
 )
 
 CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
 SCHEMES = {
     "grouped_mm": QuantScheme.UNQUANTIZED,
-    "triton": QuantScheme.UNQUANTIZED,
+    # bf16 on our kernels: Hopper's, or their references on the CPU.
+    **({"triton": QuantScheme.UNQUANTIZED} if HOPPER or not CUDA else {}),
     "cutlass": QuantScheme.FP8_PER_TOKEN,
     "triton_fp8": QuantScheme.FP8_PER_TOKEN,
 }
@@ -169,9 +172,7 @@ def test_triton_fp8_group_quantized_path_cpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="needs sm90"
-)
+@pytest.mark.skipif(not HOPPER, reason="needs sm90")
 @pytest.mark.parametrize("ep_size", [1, 4])
 def test_triton_fp8_takes_the_group_path_on_hopper(
     workspace_init, monkeypatch, ep_size
@@ -232,6 +233,52 @@ def test_zero_tokens(workspace_init, device, backend, ep_size):
     )
     out = kernel.forward(hidden, topk_weights, topk_ids, moe.make_expert_map(device))
     assert out.shape == (0, moe.hidden_size) and out.dtype == moe.in_dtype
+
+
+def test_auto_picks_the_fused_bf16_backend_where_it_runs(device):
+    """Unquantized layers take ``triton`` on Hopper when their dims allow,
+    ``grouped_mm`` elsewhere (other GPUs, the CPU, hidden_size 8 past a
+    multiple of 16)."""
+    for hidden, fused in ((128, HOPPER), (136, False)):
+        moe = moe_config(device, hidden_size=hidden, intermediate_size=64)
+        experts = make_experts(moe, *random_weights(moe, device))
+        assert isinstance(experts, TritonExperts) == fused
+        assert isinstance(experts, GroupedMMExperts) != fused
+
+
+def test_triton_refuses_what_its_kernels_cannot_run(monkeypatch):
+    moe = moe_config("cpu")
+    assert TritonExperts.unsupported(moe, torch.device("cpu")) is None
+    bad = moe_config("cpu", hidden_size=136)
+    with pytest.raises(ValueError, match="hidden_size/intermediate_size: expected"):
+        TritonExperts(bad, *random_weights(bad, "cpu"))
+    monkeypatch.setattr(triton_moe, "is_hopper", lambda device: False)
+    monkeypatch.setattr(triton_moe, "capability", lambda device: (8, 0))
+    reason = TritonExperts.unsupported(moe, torch.device("cuda"))
+    assert reason is not None and "Hopper GPU (sm90)" in reason and "(8, 0)" in reason
+
+
+UNQUANTIZED = [b for b, scheme in SCHEMES.items() if scheme == QuantScheme.UNQUANTIZED]
+
+
+@pytest.mark.parametrize("backend", UNQUANTIZED)
+def test_strided_hidden_states(workspace_init, device, backend):
+    """A column slice of a wider tensor (as a fused QKV-style split leaves
+    it) gives what its contiguous copy gives."""
+    torch.manual_seed(11)
+    moe = moe_config(device, experts_per_token=2)
+    w13, w2 = random_weights(moe, device)
+    kernel = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(), make_experts(moe, w13, w2, backend)
+    )
+    wide = torch.randn(9, moe.hidden_size + 8, device=device, dtype=moe.in_dtype)
+    hidden = wide[:, 8:]
+    assert not hidden.is_contiguous()
+    weights, ids = fused_topk(
+        hidden, torch.randn(9, moe.num_experts, device=device), 2, True
+    )
+    out = kernel.forward(hidden, weights, ids)
+    torch.testing.assert_close(out, kernel.forward(hidden.contiguous(), weights, ids))
 
 
 def test_fused_topk(device):

@@ -15,7 +15,6 @@ from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16_gated,
     grouped_gemm_bf16_gated_reference,
     grouped_gemm_bf16_reference,
-    takes_gluon_bf16,
 )
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     deinterleave_gate_up,
@@ -81,20 +80,44 @@ def test_gated_reference_is_the_plain_gemm_on_gathered_rows(device):
 def test_refused_off_hopper():
     a, w, offsets = problem([3, 2], 32, 16, "cpu", spare_rows=0)
     out = torch.empty(5, 32, dtype=torch.bfloat16)
-    assert not takes_gluon_bf16(a, w, out[:, :16], w, out)
-    with pytest.raises(ValueError, match="out: runs on a Hopper GPU"):
+    with pytest.raises(ValueError, match=r"a: expected a tensor on a Hopper GPU"):
         grouped_gemm_bf16(a, w, offsets, out)
     a, src_routes, topk, w13, offsets = gated_problem(4, 2, 2, 16, 32, "cpu")
-    with pytest.raises(ValueError, match="out: runs on a Hopper GPU"):
+    with pytest.raises(ValueError, match=r"a: expected a tensor on a Hopper GPU"):
         grouped_gemm_bf16_gated(
             a, src_routes, topk, w13, offsets, "silu", torch.empty(8, 16).bfloat16()
         )
 
 
+def test_zero_rows_and_no_experts_write_nothing():
+    """Checked before any device requirement: also on the CPU."""
+    a, w, offsets = problem([0, 0], 32, 16, "cpu", spare_rows=0)
+    out = torch.empty(0, 32, dtype=torch.bfloat16)
+    assert grouped_gemm_bf16(a, w, offsets, out) is out
+    a, w, offsets = problem([], 32, 16, "cpu", spare_rows=4)
+    out = torch.full((4, 32), POISON, dtype=torch.bfloat16)
+    grouped_gemm_bf16(a, w, offsets, out)
+    assert bool((out == POISON).all())
+    a, src_routes, topk, w13, offsets = gated_problem(0, 2, 3, 16, 32, "cpu")
+    act = torch.empty(0, 16, dtype=torch.bfloat16)
+    assert (
+        grouped_gemm_bf16_gated(a, src_routes, topk, w13, offsets, "silu", act) is act
+    )
+
+
+def test_gathered_rows_need_k_a_multiple_of_16():
+    """The gated GEMM's 16-byte copies of token rows compile only when K is
+    a multiple of 16 (the plain GEMM takes multiples of 8)."""
+    a, src_routes, topk, w13, offsets = gated_problem(4, 2, 2, 16, 40, "cpu")
+    out = torch.empty(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"a: expected .* multiple of 16 .* K=40 "):
+        grouped_gemm_bf16_gated(a, src_routes, topk, w13, offsets, "silu", out)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda t: t.update(a=t["a"].half()), "w: expected contiguous torch.float16"),
+        (lambda t: t.update(a=t["a"].half()), "w: expected a's dtype torch.float16"),
         (lambda t: t.update(a=t["a"].float()), "a: expected bfloat16 or float16"),
         (lambda t: t.update(w=t["w"][0]), r"w: expected \[E, N, K\]"),
         (lambda t: t.update(a=t["a"][:, :8]), r"a: expected contiguous.*\[7, 16\]"),
@@ -102,7 +125,7 @@ def test_refused_off_hopper():
         (lambda t: t.update(offsets=t["offsets"].int()), "expert_first_token_offset"),
         (
             lambda t: t.update(a=t["a"][:, :4].contiguous(), w=t["w"][..., :4].clone()),
-            "K a multiple of 8",
+            "a: expected a 16-byte aligned start and K a positive multiple of 8",
         ),
     ],
     ids=["mixed-dtypes", "fp32", "w-rank", "a-k", "out-cols", "offsets", "k-4"],
@@ -127,7 +150,7 @@ def test_bad_input_names_the_argument(device, change, message):
         (lambda t: t.update(activation="gelu"), "activation: expected"),
         (lambda t: t.update(topk=0), "topk: expected >= 1"),
         (lambda t: t.update(src_routes=t["src_routes"].long()), "src_routes"),
-        (lambda t: t.update(out=t["out"].half()), "out: expected contiguous"),
+        (lambda t: t.update(out=t["out"].half()), "out: expected a's dtype"),
         (lambda t: t.update(out=t["out"][:, :8]), r"out: expected.*\[8, 16\]"),
     ],
     ids=["w13-odd", "activation", "topk", "routes-int64", "out-dtype", "out-cols"],
@@ -167,13 +190,15 @@ EXPERT_COUNTS = pytest.mark.parametrize(
 @needs_hopper
 @EXPERT_COUNTS
 @pytest.mark.parametrize(
-    "n,k", [(512, 256), (96, 48), (2048, 768), (264, 176)], ids=str
+    "n,k",
+    [(512, 256), (96, 48), (2048, 768), (264, 176), (96, 40), (264, 200)],
+    ids=str,
 )
 @DTYPES
 def test_matches_reference(counts, n, k, dtype):
     """Several N tiles and 64-column K steps, partial last ones (N = 96,
-    264; K = 48, 176), halves full, partial or empty; rows past the last
-    expert's end stay untouched."""
+    264; K = 48, 176, and 40, 200: 8 past a multiple of 16), halves full,
+    partial or empty; rows past the last expert's end stay untouched."""
     torch.manual_seed(sum(counts) + n + k)
     a, w, offsets = problem(counts, n, k, "cuda", dtype)
     out = torch.full((a.shape[0], n), POISON, device="cuda", dtype=dtype)
@@ -267,11 +292,18 @@ def test_cuda_graph_replay_follows_the_routing():
 @pytest.mark.gpu
 @needs_hopper
 def test_misaligned_rows_are_refused():
-    """An ``out`` 2 bytes off 16-byte alignment cannot take a TMA store: a
-    named error, not a fallback (there is no 16-bit Triton kernel)."""
+    """An ``out`` or ``a`` 2 bytes off 16-byte alignment cannot take TMA
+    boxes: a named error, not a fallback (there is no 16-bit Triton
+    kernel)."""
     a, w, offsets = problem([100, 50], 256, 128, "cuda", spare_rows=0)
     flat = torch.empty(150 * 256 + 1, device="cuda", dtype=torch.bfloat16)
     shifted = flat[1:].view(150, 256)
     assert not ws.supports(a.device, 256, shifted)
-    with pytest.raises(ValueError, match="out: runs on a Hopper GPU"):
+    with pytest.raises(ValueError, match="out: expected a 16-byte aligned start"):
         grouped_gemm_bf16(a, w, offsets, shifted)
+    flat_a = torch.empty(150 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    a_shifted = flat_a[1:].view(150, 128)
+    a_shifted.copy_(a)
+    out = torch.empty(150, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a: expected a 16-byte aligned start"):
+        grouped_gemm_bf16(a_shifted, w, offsets, out)

@@ -47,8 +47,10 @@ def kernel_args(
     operand: torch.dtype,
 ) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
     """Host arguments of the plain, gated and fp8-out gated kernels for
-    ``operand`` (fp8 or 16-bit) A and weights, as the launchers pass them."""
+    ``operand`` (fp8 or 16-bit) A and weights, as the launchers pass them
+    (16-bit calls pass ``out`` for the scales they never read)."""
     rows, experts, n, k, topk = 256, 4, 512, 256, 2
+    fp8 = operand == FP8_DTYPE
     a = torch.empty(rows, k, dtype=operand)
     w = torch.empty(experts * n, k, dtype=operand)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
@@ -59,8 +61,8 @@ def kernel_args(
     plain = {
         "a_desc": ws._k_box(a, ws.BLOCK_M.value),
         "w_desc": ws._k_box(w, ws.BLOCK_N.value),
-        "a_scale_ptr": torch.empty(rows),
-        "w_scale_ptr": torch.empty(experts * n),
+        "a_scale_ptr": torch.empty(rows) if fp8 else out,
+        "w_scale_ptr": torch.empty(experts * n) if fp8 else out,
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": out,
         "out_desc": ws._descriptor(out, out_block),
@@ -71,10 +73,10 @@ def kernel_args(
     }
     gated = {
         "a_ptr": a,
-        "a_scale_ptr": torch.empty(rows),
+        "a_scale_ptr": torch.empty(rows) if fp8 else act,
         "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
         "w_desc": ws._k_box(w, ws.BLOCK_N.value),
-        "w_scale_ptr": torch.empty(experts * n),
+        "w_scale_ptr": torch.empty(experts * n) if fp8 else act,
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": act,
         "out_desc": ws._descriptor(act, act_block),

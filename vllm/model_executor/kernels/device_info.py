@@ -30,6 +30,11 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _cuda_capability(_index(device)) if device.type == "cuda" else None
 
 
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm90 GPU (the Gluon kernels' target)."""
+    return capability(device) == (9, 0)
+
+
 @functools.cache  # asked on every GEMM call; never changes
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -15,9 +15,9 @@ permuted copy of the tokens nor the [R, 2I] intermediate reaches memory.
 That is what ``torch._grouped_mm`` cannot do: it takes permuted contiguous
 rows and returns the whole product.
 
-Hopper only (:func:`takes_gluon_bf16`); elsewhere the unquantized layer runs
-``torch._grouped_mm``. The plain-PyTorch references are the oracle in tests
-and the CPU path.
+Hopper only (sm90; K a multiple of 8, and of 16 for the gathered rows of
+the gated GEMM); elsewhere the unquantized layer runs ``torch._grouped_mm``.
+The plain-PyTorch references are the oracle in tests and the CPU path.
 """
 
 from __future__ import annotations
@@ -26,47 +26,33 @@ import torch
 
 from vllm.model_executor.kernels import grouped_gemm_ws as gluon_ws
 from vllm.model_executor.kernels.activation_quant import gated_act_reference
-from vllm.model_executor.kernels.checks import check_contiguous
-from vllm.model_executor.kernels.device_info import capability
+from vllm.model_executor.kernels.checks import check_contiguous, check_tma_rows
+from vllm.model_executor.kernels.device_info import capability, is_hopper
 from vllm.model_executor.kernels.grouped_gemm_fp8 import deinterleave_gate_up
 
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def takes_gluon_bf16(
-    a: torch.Tensor,
-    w13: torch.Tensor,
-    act: torch.Tensor,
-    w2: torch.Tensor,
-    out: torch.Tensor,
-) -> bool:
-    """Whether both GEMMs of an expert layer can run here: GEMM1 from tokens
-    ``a`` with ``w13`` into ``act`` [R, I], GEMM2 from ``act`` with ``w2``
-    into ``out`` [R, K] (a Hopper GPU, 16-byte aligned rows)."""
-    return gluon_ws.supports_gated(a, act.shape[1], act) and gluon_ws.supports(
-        a.device, w2.shape[1], out
-    )
-
-
-def _check_operand(name: str, t: torch.Tensor) -> None:
-    """TMA boxes and 16-byte copies need 16-byte aligned rows."""
-    row_bytes = t.shape[-1] * t.element_size()
-    if t.shape[-1] == 0 or row_bytes % 16 or t.data_ptr() % 16:
+def _check_runs_here(a: torch.Tensor, out: torch.Tensor) -> None:
+    """The kernels run on Hopper and store ``out`` through TMA boxes."""
+    if not is_hopper(a.device):
         raise ValueError(
-            f"{name}: expected a 16-byte aligned start and rows of a positive "
-            f"multiple of 16 bytes (K a multiple of 8), got K={t.shape[-1]} at "
-            f"{t.data_ptr():#x}"
+            f"a: expected a tensor on a Hopper GPU (sm90), got {a.device} "
+            f"(capability {capability(a.device)}); use torch._grouped_mm elsewhere"
+        )
+    if not gluon_ws.supports(a.device, out.shape[1], out):
+        raise ValueError(
+            f"out: expected a 16-byte aligned start and rows (TMA stores), got "
+            f"{out.shape[1]} {out.dtype} columns at {out.data_ptr():#x}"
         )
 
 
-def _check_hopper(name: str, supported: bool, t: torch.Tensor) -> None:
-    if not supported:
-        raise ValueError(
-            f"{name}: runs on a Hopper GPU (sm90) into 16-byte aligned rows "
-            f"only; got {t.device} (capability {capability(t.device)}), "
-            f"{t.shape[-1]} columns at {t.data_ptr():#x}; use torch._grouped_mm "
-            f"elsewhere"
-        )
+def _check_dtypes(a: torch.Tensor, **others: torch.Tensor) -> None:
+    if a.dtype not in DTYPES:
+        raise ValueError(f"a: expected bfloat16 or float16, got {a.dtype}")
+    for name, t in others.items():
+        if t.dtype != a.dtype:
+            raise ValueError(f"{name}: expected a's dtype {a.dtype}, got {t.dtype}")
 
 
 def _check(
@@ -76,8 +62,7 @@ def _check(
         raise ValueError(f"w: expected [E, N, K], got shape {list(w.shape)}")
     if a.dim() != 2:
         raise ValueError(f"a: expected [R, K], got shape {list(a.shape)}")
-    if a.dtype not in DTYPES:
-        raise ValueError(f"a: expected bfloat16 or float16, got {a.dtype}")
+    _check_dtypes(a, w=w, out=out)
     num_experts, n, k = w.shape
     rows = a.shape[0]
     for name, tensor, dtype, shape in (
@@ -103,9 +88,9 @@ def grouped_gemm_bf16(
     _check(a, w, expert_first_token_offset, out)
     if a.shape[0] == 0 or w.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
-    _check_operand("a", a)
-    _check_operand("w", w)
-    _check_hopper("out", gluon_ws.supports(a.device, w.shape[1], out), out)
+    check_tma_rows("a", a)
+    check_tma_rows("w", w)
+    _check_runs_here(a, out)
     gluon_ws.launch(a, None, w, None, expert_first_token_offset, out)
     return out
 
@@ -126,8 +111,7 @@ def _check_gated(
             f"a, out: expected [T, K] and [R, I], got {list(a.shape)} and "
             f"{list(out.shape)}"
         )
-    if a.dtype not in DTYPES:
-        raise ValueError(f"a: expected bfloat16 or float16, got {a.dtype}")
+    _check_dtypes(a, w13=w13, out=out)
     if activation not in ("silu", "swiglu"):
         raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
     if topk < 1:
@@ -166,10 +150,9 @@ def grouped_gemm_bf16_gated(
     _check_gated(a, src_routes, topk, w13, expert_first_token_offset, activation, out)
     if out.shape[0] == 0 or w13.shape[0] == 0:
         return out
-    _check_operand("a", a)
-    _check_operand("w13", w13)
-    supported = gluon_ws.supports_gated(a, out.shape[1], out)
-    _check_hopper("out", supported, out)
+    check_tma_rows("a", a, 16)  # gathered by 16-byte copies
+    check_tma_rows("w13", w13, 16)
+    _check_runs_here(a, out)
     gluon_ws.launch_gated(
         a,
         None,

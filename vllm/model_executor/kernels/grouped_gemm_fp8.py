@@ -44,7 +44,7 @@ from vllm.model_executor.kernels.activation_quant import (
     gated_act,
     gated_act_reference,
 )
-from vllm.model_executor.kernels.checks import check_contiguous
+from vllm.model_executor.kernels.checks import check_contiguous, check_tma_rows
 from vllm.model_executor.kernels.device_info import persistent_programs
 from vllm.model_executor.layers.quantization.utils.fp8_utils import (
     per_token_group_quant_fp8,
@@ -302,15 +302,6 @@ def _off_hopper(
     )
 
 
-def _check_tma(name: str, t: torch.Tensor) -> None:
-    """TMA boxes need 16-byte aligned rows (fp8: K a multiple of 16)."""
-    if t.shape[-1] == 0 or t.shape[-1] % 16 or t.data_ptr() % 16:
-        raise ValueError(
-            f"{name}: expected a 16-byte aligned start and K a positive "
-            f"multiple of 16 (TMA), got K={t.shape[-1]} at {t.data_ptr():#x}"
-        )
-
-
 def act_groups(cols: int) -> int:
     """Scales per row of a group-quantized activation of ``cols`` columns."""
     return triton.cdiv(cols, gluon_ws.GROUP.value)
@@ -372,8 +363,8 @@ def grouped_gemm_fp8(
     _check(a, a_scale, w, w_scale, expert_first_token_offset, out)
     if a.shape[0] == 0 or w.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
-    _check_tma("a", a)
-    _check_tma("w", w)
+    check_tma_rows("a", a)
+    check_tma_rows("w", w)
     num_experts, n, k = w.shape
     rows = a.shape[0]
     if takes_gluon(a, w, out, config):
@@ -496,7 +487,7 @@ def grouped_gemm_fp8_gated(
     rows, inter = out.shape
     if rows == 0 or w13.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
-    _check_tma("w13", w13)
+    check_tma_rows("w13", w13)
     num_experts, _, k = w13.shape
     if takes_gluon_gated(a, w13, out, config):
         gluon_ws.launch_gated(

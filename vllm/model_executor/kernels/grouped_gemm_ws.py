@@ -55,7 +55,7 @@ from vllm.model_executor.kernels.activation_quant import (
     SWIGLU_LIMIT,
     gated_act,
 )
-from vllm.model_executor.kernels.device_info import capability, persistent_programs
+from vllm.model_executor.kernels.device_info import is_hopper, persistent_programs
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.
@@ -76,15 +76,17 @@ STAGES = gl.constexpr(3)
 SUB = gl.constexpr(64)  # rows per consumer warpgroup
 # Registers per thread: the consumers hold their accumulator (128) and
 # epilogue; the loaders the per-expert tile table. ptxas -v (Triton 3.6):
-# no spills in the plain kernel at 128 experts, 4 bytes at 256; 64-80 bytes
-# in the gated one, on the once-per-tile path (other splits spill more).
+# no spills in the plain kernel at 128 experts (fp8 4 bytes at 256); 64-80
+# bytes in the fp8 gated one (bf16: 16-52), on the once-per-tile path
+# (other splits spill more).
 CONSUMER_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
 GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
 # Columns per scale of a group-quantized activation: the gated GEMM's output
 # tile quantizes itself, and the plain GEMM takes one group per K step.
 GROUP = gl.constexpr(128)
-assert GROUP.value == K_BYTES.value == BLOCK_N.value // 2  # one fp8 K step
+# One fp8 K step (K_BYTES one-byte columns) and half a gated output tile.
+assert GROUP.value == K_BYTES.value == BLOCK_N.value // 2
 _FP8_MAX = gl.constexpr(FP8_MAX)
 _MIN_SCALE = gl.constexpr(MIN_SCALE)
 
@@ -100,8 +102,8 @@ _gated_act = gluon.jit(gated_act.fn)
 
 
 @gluon.constexpr_function
-def _block_k(dtype: gl.dtype) -> int:
-    return K_BYTES.value * 8 // dtype.primitive_bitwidth
+def _itemsize(dtype: gl.dtype) -> int:
+    return dtype.primitive_bitwidth // 8
 
 
 @gluon.constexpr_function
@@ -185,7 +187,7 @@ def _mainloop(
     of the current step's scales: rescaled by old / new before each step's
     MMA, which needs the previous MMA finished. It is returned with the last
     step's scales. Otherwise the scales are ones."""
-    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
+    BLOCK_K: gl.constexpr = w_boxes.shape[2]
     acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
     scale = gl.full((SUB,), 1.0, gl.float32, gl.SliceLayout(1, acc_layout))
@@ -244,7 +246,7 @@ def _loader(
     empty,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
+    BLOCK_K: gl.constexpr = w_boxes.shape[2]
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 1
     )
@@ -258,7 +260,10 @@ def _loader(
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
             # Boxes past a tensor's end are zero-filled and still count in full.
-            mbarrier.expect(ready.index(slot), (BLOCK_M + BLOCK_N) * K_BYTES)
+            mbarrier.expect(
+                ready.index(slot),
+                (BLOCK_M + BLOCK_N) * BLOCK_K * _itemsize(w_boxes.dtype),
+            )
             _tma_load(a_desc, [row_start, k], ready.index(slot), a_boxes.index(slot))
             _tma_load(
                 w_desc,
@@ -337,7 +342,7 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
                     mask=row_ok[:, None] & (cols < N)[None, :],
                 )
         else:
-            step = _skip(ready, empty, step, K, _block_k(w_boxes.dtype))
+            step = _skip(ready, empty, step, K, w_boxes.shape[2])
     tma.store_wait(0)
 
 
@@ -357,7 +362,7 @@ def _grouped_gemm_ws_kernel(
     GROUPED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = _block_k(w_desc.dtype)
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]  # the host's K box
     a_boxes = gl.allocate_shared_memory(
         a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout
     )
@@ -432,7 +437,7 @@ def _gather_loader(
     """The gated GEMM's loader: each row's token from the unpermuted input by
     cp.async (rows past the expert's end and K read as zeros), the weight
     rows by TMA; the slot is ready when both have landed."""
-    BLOCK_K: gl.constexpr = _block_k(w_boxes.dtype)
+    BLOCK_K: gl.constexpr = w_boxes.shape[2]
     # 16 bytes per thread, 8 threads per 128-byte row.
     layout: gl.constexpr = gl.BlockedLayout(
         [1, BLOCK_K // 8], [4, 8], [GATHER_WARPS, 1], [1, 0]
@@ -462,7 +467,9 @@ def _gather_loader(
             # Each thread's arrival waits for its copies (one of the
             # GATHER_WARPS * 32 + 1 arrivals the slot expects).
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-            mbarrier.expect(ready.index(slot), BLOCK_N * K_BYTES)
+            mbarrier.expect(
+                ready.index(slot), BLOCK_N * BLOCK_K * _itemsize(w_boxes.dtype)
+            )
             _tma_load(
                 w_desc,
                 [expert * W_N + n_tile * BLOCK_N, k],
@@ -567,7 +574,7 @@ def _gated_consumer(
                     mask=(out_rows < row_end)[:, None] & (out_cols < inter)[None, :],
                 )
         else:
-            step = _skip(ready, empty, step, K, _block_k(w_boxes.dtype))
+            step = _skip(ready, empty, step, K, w_boxes.shape[2])
     tma.store_wait(0)
 
 
@@ -592,7 +599,7 @@ def _grouped_gemm_gated_ws_kernel(
     QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = _block_k(w_desc.dtype)
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]  # the host's K box
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M, BLOCK_K], w_desc.dtype
     )
@@ -655,8 +662,9 @@ def _grouped_gemm_gated_ws_kernel(
 
 def supports_gated(a: torch.Tensor, inter: int, out: torch.Tensor) -> bool:
     """Whether the gated kernel can run the call: :func:`supports`, and token
-    rows that 16-byte copies can read (K a multiple of 16 is checked by the
-    caller with ``w13``)."""
+    rows that 16-byte copies can read. The callers check K a multiple of 16
+    with ``w13``: the compiler proves the rows 16-byte aligned only from
+    that."""
     return supports(a.device, inter, out) and a.data_ptr() % 16 == 0
 
 
@@ -665,7 +673,7 @@ def supports(device: torch.device, n: int, out: torch.Tensor) -> bool:
     ``out`` [R, n] whose rows a TMA box can store (16-byte aligned start and
     rows)."""
     return (
-        capability(device) == (9, 0)
+        is_hopper(device)
         and n * out.element_size() % 16 == 0
         and out.data_ptr() % 16 == 0
     )
@@ -698,6 +706,7 @@ def launch(
     ``a`` and ``w``) and :func:`supports`. fp8 operands come with scales (a
     2-D ``a_scale`` [R, cdiv(K, GROUP)] holds per-group row scales), 16-bit
     ones with ``None``."""
+    assert (a_scale is None) == (w_scale is None) == (a.element_size() == 2)
     num_experts, n, k = w.shape
     grouped = a_scale is not None and a_scale.dim() == 2
     groups = a_scale.shape[1] if a_scale is not None and grouped else 1
@@ -738,6 +747,7 @@ def launch_gated(
     ``grouped_gemm_bf16_gated`` has checked (shapes, dtypes, TMA alignment of
     ``w13``) and :func:`supports_gated`; scales as in :func:`launch`, and an
     fp8 ``out`` takes per-group row scales ``out_scale`` [R, cdiv(I, GROUP)]."""
+    assert (a_scale is None) == (w13_scale is None) == (a.element_size() == 2)
     num_experts, w_n, k = w13.shape
     rows, inter = out.shape
     programs = persistent_programs(

@@ -10,13 +10,11 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
-from vllm.model_executor.layers.fused_moe.modular_kernel import (
-    FusedMoEExperts,
-    Shape,
-    carve,
-    check_tensors,
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.experts.unquantized import (
+    UnquantizedExperts,
 )
+from vllm.model_executor.layers.fused_moe.modular_kernel import carve
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_permute,
     moe_unpermute,
@@ -73,20 +71,13 @@ def grouped_mm(
     return out
 
 
-class GroupedMMExperts(FusedMoEExperts):
+class GroupedMMExperts(UnquantizedExperts):
     """bf16/fp16 experts: permute -> GEMM1 -> activation -> GEMM2 -> unpermute."""
-
-    supported_schemes = (QuantScheme.UNQUANTIZED,)
 
     def __init__(
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
-        super().__init__(moe)
-        el = moe.num_local_experts
-        check_tensors(
-            ("w13", w13, (el, moe.w13_rows, moe.hidden_size), moe.in_dtype),
-            ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), moe.in_dtype),
-        )
+        super().__init__(moe, w13, w2)
         if w13.is_cuda and (moe.hidden_size % 8 or moe.intermediate_size % 8):
             raise ValueError(
                 "hidden_size/intermediate_size: torch._grouped_mm needs multiples "
@@ -94,21 +85,6 @@ class GroupedMMExperts(FusedMoEExperts):
             )
         self.w13 = w13.contiguous()
         self.w2 = w2.contiguous()
-
-    def workspace_shapes(
-        self,
-        M: int,
-        N: int,
-        K: int,
-        topk: int,
-        global_num_experts: int,
-        local_num_experts: int,
-    ) -> tuple[Shape, Shape, Shape]:
-        itemsize = self.moe.in_dtype.itemsize
-        rows = M * topk
-        workspace13 = rows * K * itemsize  # permuted activations
-        workspace2 = rows * (N // 2) * itemsize  # activation output
-        return (workspace13,), (workspace2,), (M, K)
 
     def apply(
         self,

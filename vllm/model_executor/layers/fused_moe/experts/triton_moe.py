@@ -15,8 +15,9 @@ permuted contiguous rows and returns the whole [R, 2I] product) this leaves
 out the permuted copy of the tokens, the product and the activation pass:
 ~600 MB of traffic at 8192 tokens with qwen3-30b-a3b dims.
 
-The kernels are Hopper's (:mod:`grouped_gemm_bf16`): other GPUs are refused
-at construction and keep ``grouped_mm``. CPU tensors take the kernels'
+The kernels are Hopper's (:mod:`grouped_gemm_bf16`): other GPUs and shapes
+they cannot take are refused at construction (:meth:`TritonExperts.unsupported`,
+which ``auto`` asks) and keep ``grouped_mm``. CPU tensors take the kernels'
 plain-PyTorch references.
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.device_info import capability
+from vllm.model_executor.kernels.device_info import capability, is_hopper
 from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16,
     grouped_gemm_bf16_gated,
@@ -35,63 +36,49 @@ from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     deinterleave_gate_up,
     interleave_gate_up,
 )
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
-from vllm.model_executor.layers.fused_moe.modular_kernel import (
-    FusedMoEExperts,
-    Shape,
-    carve,
-    check_tensors,
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.experts.unquantized import (
+    UnquantizedExperts,
 )
+from vllm.model_executor.layers.fused_moe.modular_kernel import carve
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
 
 
-class TritonExperts(FusedMoEExperts):
-    supported_schemes = (QuantScheme.UNQUANTIZED,)
-
+class TritonExperts(UnquantizedExperts):
     def __init__(
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
-        super().__init__(moe)
-        el = moe.num_local_experts
-        check_tensors(
-            ("w13", w13, (el, moe.w13_rows, moe.hidden_size), moe.in_dtype),
-            ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), moe.in_dtype),
-        )
-        if moe.hidden_size % 8 or moe.intermediate_size % 8:
-            raise ValueError(
-                "hidden_size/intermediate_size: the triton backend needs multiples "
-                f"of 8 (16-byte rows), got {moe.hidden_size}/{moe.intermediate_size}"
-            )
-        if w13.is_cuda and capability(w13.device) != (9, 0):
-            raise ValueError(
-                f"backend 'triton': its bf16 kernels run on Hopper (sm90) only, got "
-                f"{w13.device} with capability {capability(w13.device)}; use "
-                f"'grouped_mm'"
-            )
+        super().__init__(moe, w13, w2)
+        reason = self.unsupported(moe, w13.device)
+        if reason is not None:
+            raise ValueError(f"{reason}; backend 'grouped_mm' runs it")
         # GEMM1 takes its gate and up rows interleaved (one product tile).
         self.w13 = interleave_gate_up(w13)
         self.w2 = w2.contiguous()
 
+    @staticmethod
+    def unsupported(moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """Why this backend cannot run ``moe`` on ``device``, or None: its
+        kernels are Hopper's (the CPU runs their references), GEMM1 gathers
+        token rows by 16-byte copies (hidden_size a multiple of 16) and the
+        activation's rows are TMA boxes (intermediate_size a multiple of 8)."""
+        if device.type == "cuda" and not is_hopper(device):
+            return (
+                f"device: expected a Hopper GPU (sm90) or the CPU, got {device} "
+                f"(capability {capability(device)})"
+            )
+        if moe.hidden_size % 16 or moe.intermediate_size % 8:
+            return (
+                f"hidden_size/intermediate_size: expected multiples of 16/8, got "
+                f"{moe.hidden_size}/{moe.intermediate_size}"
+            )
+        return None
+
     def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return deinterleave_gate_up(self.w13), self.w2
-
-    def workspace_shapes(
-        self,
-        M: int,
-        N: int,
-        K: int,
-        topk: int,
-        global_num_experts: int,
-        local_num_experts: int,
-    ) -> tuple[Shape, Shape, Shape]:
-        itemsize = self.moe.in_dtype.itemsize
-        rows = M * topk
-        workspace13 = rows * K * itemsize  # GEMM2's rows
-        workspace2 = rows * (N // 2) * itemsize  # the activation
-        return (workspace13,), (workspace2,), (M, K)
 
     def apply(
         self,
@@ -106,6 +93,9 @@ class TritonExperts(FusedMoEExperts):
     ) -> None:
         moe = self.moe
         rows, dtype = topk_ids.numel(), hidden_states.dtype
+        if not hidden_states.is_contiguous() or hidden_states.data_ptr() % 16:
+            # GEMM1 reads token rows by 16-byte copies: copy a strided input.
+            hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
         cuda = hidden_states.is_cuda
