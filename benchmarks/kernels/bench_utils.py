@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,33 +17,46 @@ H200_PEAK_TFLOPS = {torch.bfloat16: 989.0, torch.float8_e4m3fn: 1979.0}
 
 
 def time_graph_us(step: Callable[[int], object], iters: int, repeats: int = 5) -> float:
-    """Per-iteration time of ``iters`` steps captured in one CUDA graph.
+    """Per-iteration time of ``iters`` steps captured in one CUDA graph."""
+    return time_graphs_us({"step": step}, iters, repeats)["step"]
+
+
+def time_graphs_us(
+    steps: Mapping[str, Callable[[int], object]], iters: int, repeats: int = 5
+) -> dict[str, float]:
+    """:func:`time_graph_us` of several steps, replayed in turn in each
+    repeat: the H200 slows down under sustained GEMM load (up to 10% within
+    seconds), which would bias whichever step is timed last.
 
     Warm-up and capture run on the same side stream, so stream-scoped
-    resources created during warm-up are the ones the graph uses.
+    resources created during warm-up are the ones the graphs use.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(iters):
-            step(i)
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(iters):
-            step(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
+    graphs = {}
+    for name, step in steps.items():
+        with torch.cuda.stream(stream):
+            for i in range(iters):
+                step(i)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(iters):
+                step(i)
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+        torch.cuda.synchronize()
+        graphs[name] = graph
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, graph in graphs.items():
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / iters)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_cpu_us(step: Callable[[int], object], iters: int) -> float:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from benchmarks.kernels.bench_utils import (
     H200_PEAK_TFLOPS,
     time_cpu_us,
-    time_graph_us,
+    time_graphs_us,
     write_results,
 )
 from vllm.model_executor.kernels.device_info import is_hopper
@@ -160,14 +160,7 @@ def bench(
     def layer_step(it: int) -> None:
         kernel.forward(hidden, *routings[it])
 
-    timer = (
-        (lambda f: time_graph_us(f, iters)) if cuda else (lambda f: time_cpu_us(f, 2))
-    )
-    layer_us = timer(layer_step)
-    if breakdowns is not None and cuda:
-        breakdowns[f"{label} @ {tokens}"] = kernel_breakdown(layer_step, iters)
-    flops = 6 * tokens * moe.experts_per_token * k * i
-
+    steps: dict[str, Callable[[int], None]] = {"layer": layer_step}
     # The GEMMs alone, on data of the same routing: the layer's own (for the
     # share outside them) and torch's (the alternative a user would pick).
     a_perm, _, offsets, _, src_routes = moe_permute(
@@ -175,31 +168,40 @@ def bench(
     )
     act = torch.randn(a_perm.shape[0], i, device=device, dtype=moe.in_dtype)
     ends = grouped_mm_ends(offsets)
-    gemm_us = torch_gemm_us = None
     if fp8:
         operands = [
             (*per_token_quant_fp8(x), *per_channel_quant_fp8(w))
             for x, w in ((a_perm, w13), (act, w2))
         ]
 
-        def torch_gemm_step(it: int) -> None:
+        def torch_fp8_gemms(it: int) -> None:
             for x, x_s, w, w_s in operands:
                 grouped_mm(x, w, ends, x_s.view(-1), w_s, moe.in_dtype)
 
-        torch_gemm_us = timer(torch_gemm_step)
+        steps["torch"] = torch_fp8_gemms
     elif scheme == QuantScheme.UNQUANTIZED:
 
-        def torch_gemm_step(it: int) -> None:
+        def torch_gemms(it: int) -> None:
             grouped_mm(a_perm, w13, ends)
             grouped_mm(act, w2, ends)
 
-        torch_gemm_us = timer(torch_gemm_step)
-    if isinstance(experts, CutlassExpertsFp8 | GroupedMMExperts):
-        gemm_us = torch_gemm_us
-    elif isinstance(experts, TritonExpertsFp8) and cuda:  # kernels only
-        gemm_us = timer(triton_fp8_gemms(experts, hidden, src_routes, offsets))
+        steps["torch"] = torch_gemms
+    if isinstance(experts, TritonExpertsFp8) and cuda:  # kernels only
+        steps["own"] = triton_fp8_gemms(experts, hidden, src_routes, offsets)
     elif isinstance(experts, TritonExperts) and cuda:
-        gemm_us = timer(triton_gemms(experts, hidden, src_routes, offsets))
+        steps["own"] = triton_gemms(experts, hidden, src_routes, offsets)
+    times = (
+        time_graphs_us(steps, iters)
+        if cuda
+        else {name: time_cpu_us(step, 2) for name, step in steps.items()}
+    )
+    if breakdowns is not None and cuda:
+        breakdowns[f"{label} @ {tokens}"] = kernel_breakdown(layer_step, iters)
+    layer_us, torch_gemm_us = times["layer"], times.get("torch")
+    # torch's GEMMs are the cutlass and grouped_mm layers' own.
+    torch_own = isinstance(experts, CutlassExpertsFp8 | GroupedMMExperts)
+    gemm_us = torch_gemm_us if torch_own else times.get("own")
+    flops = 6 * tokens * moe.experts_per_token * k * i
     share = None if gemm_us is None else max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
     peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
