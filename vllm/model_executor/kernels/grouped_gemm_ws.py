@@ -347,6 +347,31 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
 
 
 @gluon.jit
+def _ring(
+    a_dtype: gl.constexpr,
+    a_layout: gl.constexpr,
+    w_desc,
+    READY_ARRIVALS: gl.constexpr,
+):
+    """The loader's ring of STAGES slots: A boxes (BLOCK_M rows), weight
+    boxes (BLOCK_N rows), both of the host's K box, and per slot a ready
+    barrier (``READY_ARRIVALS`` arrivals) and an empty one that both
+    consumers release; every slot starts free."""
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    a_boxes = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    w_boxes = gl.allocate_shared_memory(
+        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(empty.index(i), count=2)
+        mbarrier.arrive(empty.index(i), count=2)
+    return a_boxes, w_boxes, ready, empty
+
+
+@gluon.jit
 def _grouped_gemm_ws_kernel(
     a_desc,
     w_desc,
@@ -362,19 +387,9 @@ def _grouped_gemm_ws_kernel(
     GROUPED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]  # the host's K box
-    a_boxes = gl.allocate_shared_memory(
-        a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout
+    a_boxes, w_boxes, ready, empty = _ring(
+        a_desc.dtype, gl.constexpr(a_desc.layout), w_desc, 1
     )
-    w_boxes = gl.allocate_shared_memory(
-        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
-    )
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.arrive(empty.index(i), count=2)  # every slot starts free
     # The consumers' arguments, but for their half (Gluon cannot concatenate
     # tuples in warp_specialize's argument lists).
     shared = (
@@ -599,22 +614,14 @@ def _grouped_gemm_gated_ws_kernel(
     QUANT: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]  # the host's K box
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, BLOCK_K], w_desc.dtype
+        [BLOCK_M, w_desc.block_type.shape[1]], w_desc.dtype
     )
-    a_boxes = gl.allocate_shared_memory(
-        w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout
+    # A slot is ready once every gathering thread's copies and the weights'
+    # TMA box have landed.
+    a_boxes, w_boxes, ready, empty = _ring(
+        w_desc.dtype, a_layout, w_desc, GATHER_WARPS * 32 + 1
     )
-    w_boxes = gl.allocate_shared_memory(
-        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
-    )
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=GATHER_WARPS * 32 + 1)
-        mbarrier.init(empty.index(i), count=2)
-        mbarrier.arrive(empty.index(i), count=2)
     shared = (  # the consumers' arguments, but for their half
         a_scale_ptr,
         src_routes_ptr,
