@@ -3,6 +3,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.model_executor.kernels.test_grouped_gemm_fp8 import sorted_routing
 from tests.model_executor.kernels.test_grouped_gemm_ws import (
     GATED_CASES,
     HALF_BOUNDARIES,
@@ -50,12 +51,8 @@ def gated_problem(
     non-local ones, their source set out of range: never to be read) and
     interleaved w13 [E, 2I, K]."""
     a = torch.randn(tokens, k, device=device).to(dtype)
-    ids = torch.randint(0, experts, (tokens * topk,), device=device)
-    ids[torch.randperm(ids.numel(), device=device)[:invalid]] = experts
-    src_routes = torch.sort(ids, stable=True).indices.to(torch.int32)
+    src_routes, offsets = sorted_routing(tokens * topk, experts, device, invalid)
     src_routes[tokens * topk - invalid :] = 2**30
-    offsets = torch.zeros(experts + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.bincount(ids, minlength=experts + 1)[:experts].cumsum(0)
     w13 = (torch.randn(experts, 2 * inter, k, device=device) / k**0.5).to(dtype)
     return a, src_routes, topk, interleave_gate_up(w13), offsets
 

@@ -112,6 +112,21 @@ GatedProblem = tuple[
 ]
 
 
+def sorted_routing(
+    routes: int, num_experts: int, device, invalid: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random routing sorted by expert, as the permute leaves it: the
+    destination -> route index (int32 [routes], ``invalid`` routes last, as
+    non-local ones) and the expert offsets (int64 [E + 1])."""
+    ids = torch.randint(0, num_experts, (routes,), device=device)
+    ids[torch.randperm(routes, device=device)[:invalid]] = num_experts
+    src_routes = torch.sort(ids, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    offsets[1:] = counts.cumsum(0)
+    return src_routes, offsets
+
+
 def gated_problem(
     tokens: int, topk: int, num_experts: int, inter: int, k: int, device, invalid=0
 ) -> GatedProblem:
@@ -119,12 +134,7 @@ def gated_problem(
     non-local ones), and w13 [E, 2I, K] with per-channel scales."""
     a = (torch.randn(tokens, k, device=device) * 2).to(FP8_DTYPE)
     a_scale = torch.rand(tokens, device=device) + 0.1
-    ids = torch.randint(0, num_experts, (tokens * topk,), device=device)
-    ids[torch.randperm(ids.numel(), device=device)[:invalid]] = num_experts
-    src_routes = torch.sort(ids, stable=True).indices.to(torch.int32)
-    counts = torch.bincount(ids, minlength=num_experts + 1)[:num_experts]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    offsets[1:] = counts.cumsum(0)
+    src_routes, offsets = sorted_routing(tokens * topk, num_experts, device, invalid)
     w13 = (torch.randn(num_experts, 2 * inter, k, device=device) * 2).to(FP8_DTYPE)
     w13_scale = torch.rand(num_experts, 2 * inter, device=device) / k + 1e-3
     return a, a_scale, src_routes, topk, w13, w13_scale, offsets
