@@ -9,6 +9,20 @@ from typing import Any
 import torch
 
 
+def align_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so
+    keys and checks agree with the device that tensors report."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def named_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor reachable from ``obj``, with its attribute path.
 

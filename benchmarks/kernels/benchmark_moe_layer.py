@@ -40,7 +40,11 @@ from benchmarks.kernels.bench_utils import (
     time_graphs_us,
     write_results,
 )
-from vllm.model_executor.kernels.device_info import is_hopper
+from vllm.model_executor.kernels.common.device_info import is_hopper
+from vllm.model_executor.kernels.common.fp8 import (
+    per_channel_quant_fp8,
+    per_token_quant_fp8,
+)
 from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16,
     grouped_gemm_bf16_gated,
@@ -73,10 +77,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 )
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import moe_permute
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    per_channel_quant_fp8,
-    per_token_quant_fp8,
-)
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 # Benchmark label -> (experts backend, scheme).

@@ -24,6 +24,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.experts import fused_humming_moe
 from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
+    HUMMING_LOCKS_KEY,
     HummingGroupedExperts,
 )
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -267,7 +268,7 @@ def test_locks_come_from_the_manager(workspace_init: WorkspaceManager) -> None:
         experts, w13, w2 = cached_experts(QuantScheme.W4A16_UINT4, False, topk=topk)
         run_and_check(experts, w13, w2, num_tokens)
     device = torch.device("cuda", torch.cuda.current_device())
-    key = ("humming_locks", str(device))
+    key = (HUMMING_LOCKS_KEY, str(device))
     resources = [
         r
         for s in workspace_init.memory_report().slots

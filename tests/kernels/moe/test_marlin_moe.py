@@ -31,7 +31,8 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     MARLIN_WORKSPACE_KEY,
     get_marlin_workspace,
 )
-from vllm.v1.worker.workspace import WorkspaceManager, canonical_device
+from vllm.utils import canonical_device
+from vllm.v1.worker.workspace import WorkspaceManager
 
 CUDA = torch.cuda.is_available()
 W4A16 = FusedMoEQuantConfig(QuantScheme.W4A16_UINT4)

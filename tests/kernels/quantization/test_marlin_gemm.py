@@ -22,10 +22,10 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     marlin_make_workspace_new,
     marlin_quantize_and_repack,
 )
+from vllm.utils import canonical_device
 from vllm.v1.worker.ubatching import run_ubatches
 from vllm.v1.worker.workspace import (
     WorkspaceLockedError,
-    canonical_device,
     init_workspace_manager,
     reset_workspace_manager,
     use_workspace_lane,

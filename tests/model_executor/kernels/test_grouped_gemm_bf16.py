@@ -10,7 +10,7 @@ from tests.model_executor.kernels.test_grouped_gemm_ws import (
     needs_hopper,
 )
 from vllm.model_executor.kernels import grouped_gemm_ws as ws
-from vllm.model_executor.kernels.activation_quant import gated_act_reference
+from vllm.model_executor.kernels.common.activation_quant import gated_act_reference
 from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16,
     grouped_gemm_bf16_gated,

@@ -3,8 +3,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm.model_executor.kernels.activation_quant import FP8_MAX, MIN_SCALE
-from vllm.model_executor.kernels.device_info import num_sms
+from vllm.model_executor.kernels.common.activation_quant import FP8_MAX, MIN_SCALE
+from vllm.model_executor.kernels.common.device_info import num_sms
 from vllm.model_executor.kernels.grouped_gemm_fp8 import (
     FP8_DTYPE,
     GroupedGemmConfig,

@@ -18,7 +18,7 @@ from tests.model_executor.kernels.test_grouped_gemm_fp8 import (
     problem,
 )
 from vllm.model_executor.kernels import grouped_gemm_ws as ws
-from vllm.model_executor.kernels.activation_quant import (
+from vllm.model_executor.kernels.common.activation_quant import (
     FP8_MAX,
     MIN_SCALE,
     act_and_quant,

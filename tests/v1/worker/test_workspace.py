@@ -16,6 +16,9 @@ from vllm.v1.worker.workspace import (
     WorkspaceManager,
     current_workspace_lane,
     current_workspace_manager,
+    get_lock_buffer,
+    get_shared_resource,
+    get_workspace_buffers,
     init_workspace_manager,
     is_workspace_manager_initialized,
     lock_workspace,
@@ -342,12 +345,47 @@ def test_per_stream_key_on_cpu_is_constant(workspace_init):
     assert a is b
 
 
+def test_helpers_use_the_manager_when_there_is_one(device):
+    reset_workspace_manager()
+    # Without a manager: fresh memory every call, lock buffers zeroed.
+    assert get_lock_buffer("locks", 8, device) is not get_lock_buffer(
+        "locks", 8, device
+    )
+    assert not get_lock_buffer("locks", 8, device).any()
+    assert get_shared_resource("k", object) is not get_shared_resource("k", object)
+    a, b = get_workspace_buffers(device, ((4,), torch.float32), ((2, 3), torch.int64))
+    assert (a.shape, a.dtype, b.shape, b.dtype) == (
+        (4,),
+        torch.float32,
+        (2, 3),
+        torch.int64,
+    )
+    manager = init_workspace_manager(device)
+    try:
+        locks = get_lock_buffer("locks", 8, device)
+        locks.fill_(3)  # a kernel that failed mid-way: the buffer is not re-zeroed
+        assert get_lock_buffer("locks", 8, device) is locks
+        assert manager.memory_report().slots[0].resources[0].key[0] == (
+            "locks",
+            str(manager.device),
+        )
+        assert get_shared_resource("k", object) is get_shared_resource("k", object)
+        (view,) = get_workspace_buffers(device, ((64,), torch.float32))
+        (again,) = get_workspace_buffers(device, ((64,), torch.float32))
+        assert view.data_ptr() == again.data_ptr()
+        with pytest.raises(ValueError, match=r"lock buffer 'locks'.*meta"):
+            get_lock_buffer("locks", 8, "meta")
+        manager.lock()
+        with pytest.raises(WorkspaceLockedError, match="other"):
+            get_lock_buffer("other", 8, device)
+    finally:
+        reset_workspace_manager()
+
+
 @pytest.mark.gpu
 def test_streams_get_distinct_stream_scoped_buffers(workspace_init):
     def lock_buffer():
-        return workspace_init.get_persistent(
-            "locks", (132,), torch.int32, zero_init=True, per_stream=True
-        )
+        return get_lock_buffer("locks", 132, workspace_init.device)
 
     default = lock_buffer()
     side = torch.cuda.Stream()

@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels import grouped_gemm_ws as gluon_ws
-from vllm.model_executor.kernels.activation_quant import gated_act_reference
-from vllm.model_executor.kernels.checks import check_contiguous, check_tma_rows
-from vllm.model_executor.kernels.device_info import capability, is_hopper
+from vllm.model_executor.kernels.common.activation_quant import gated_act_reference
+from vllm.model_executor.kernels.common.checks import check_contiguous, check_tma_rows
+from vllm.model_executor.kernels.common.device_info import capability, is_hopper
 from vllm.model_executor.kernels.grouped_gemm_fp8 import deinterleave_gate_up
 
 DTYPES = (torch.bfloat16, torch.float16)

@@ -37,16 +37,16 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vllm.model_executor.kernels import grouped_gemm_ws as gluon_ws
-from vllm.model_executor.kernels.activation_quant import (
+from vllm.model_executor.kernels.common.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
     gated_act,
     gated_act_reference,
 )
-from vllm.model_executor.kernels.checks import check_contiguous, check_tma_rows
-from vllm.model_executor.kernels.device_info import persistent_programs
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+from vllm.model_executor.kernels.common.checks import check_contiguous, check_tma_rows
+from vllm.model_executor.kernels.common.device_info import persistent_programs
+from vllm.model_executor.kernels.common.fp8 import (
     per_token_group_quant_fp8,
 )
 

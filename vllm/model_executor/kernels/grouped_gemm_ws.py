@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from vllm.model_executor.kernels.activation_quant import (
+from vllm.model_executor.kernels.common.activation_quant import (
     FP8_MAX,
     MIN_SCALE,
     MODES,
@@ -55,7 +55,10 @@ from vllm.model_executor.kernels.activation_quant import (
     SWIGLU_LIMIT,
     gated_act,
 )
-from vllm.model_executor.kernels.device_info import is_hopper, persistent_programs
+from vllm.model_executor.kernels.common.device_info import (
+    is_hopper,
+    persistent_programs,
+)
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.

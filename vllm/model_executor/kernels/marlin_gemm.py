@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.kernels.checks import check_contiguous
-from vllm.model_executor.kernels.device_info import num_sms
+from vllm.model_executor.kernels.common.checks import check_contiguous
+from vllm.model_executor.kernels.common.device_info import num_sms
 
 PACK = 8  # nibbles per int32 word
 TILE_K = 128  # K step of the kernel; K and group sizes are multiples of it

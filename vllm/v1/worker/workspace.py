@@ -27,7 +27,7 @@ import torch
 
 from vllm import envs
 from vllm.logger import init_logger
-from vllm.utils import named_tensors
+from vllm.utils import align_up, canonical_device, named_tensors
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 logger = init_logger(__name__)
@@ -47,11 +47,6 @@ class WorkspaceLockedError(AssertionError):
     """A request needed new workspace memory after the manager was locked."""
 
 
-def align_up(n: int, multiple: int = ALIGNMENT) -> int:
-    """``n`` rounded up to a multiple (by default the view alignment)."""
-    return (n + multiple - 1) // multiple * multiple
-
-
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     numel = 1
     for s in shape:
@@ -69,15 +64,6 @@ def _external_caller(*skip_files: str) -> str:
     if frame is None:
         return "<unknown>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-def canonical_device(device: torch.device | str) -> torch.device:
-    """``device`` with its index filled in ("cuda" -> "cuda:<current>"), so
-    keys and checks agree with the device that tensors report."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _stream_key(device: torch.device) -> Hashable:
@@ -288,7 +274,7 @@ class WorkspaceManager:
         total = 0
         for shape, dtype in shapes_and_dtypes:
             offsets.append(total)
-            total += align_up(_nbytes(shape, dtype))
+            total += align_up(_nbytes(shape, dtype), ALIGNMENT)
         slot = self._current_slot()
         if total > slot.capacity:
             self._grow_arena(slot, total, shapes_and_dtypes)
@@ -417,6 +403,19 @@ class WorkspaceManager:
             )
         return tensor
 
+    def get_lock_buffer(
+        self, name: str, numel: int, device: torch.device | str
+    ) -> torch.Tensor:
+        """The zeroed int32 lock (semaphore) buffer ``name`` of the current
+        slot and CUDA stream, keyed ``(name, device)``: kernels that leave
+        their counters at zero need no memset between calls."""
+        device = canonical_device(device)
+        if device != self.device:
+            self.require_device(device, f"lock buffer {name!r}")
+        return self.get_persistent(
+            (name, str(device)), (numel,), torch.int32, zero_init=True, per_stream=True
+        )
+
     # -- lock ----------------------------------------------------------------
 
     def lock(self) -> None:
@@ -526,3 +525,34 @@ def reset_workspace_manager() -> None:
     """Drop the process-wide manager and everything it owns."""
     global _manager
     _manager = None
+
+
+# -- manager or fresh memory -------------------------------------------------
+# Kernels also run without a manager (tests, scripts): then every call gets
+# fresh memory. These helpers make that choice in one place.
+
+
+def get_workspace_buffers(
+    device: torch.device | str, *specs: tuple[Sequence[int], torch.dtype]
+) -> list[torch.Tensor]:
+    """Disjoint scratch views of the current slot's arena (see
+    :meth:`WorkspaceManager.get_simultaneous`), or new empty tensors."""
+    if _manager is not None:
+        return _manager.get_simultaneous(*specs)
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+
+
+def get_shared_resource(key: Hashable, factory: Callable[[], T]) -> T:
+    """The current slot's object for ``key`` (see
+    :meth:`WorkspaceManager.get_persistent_resource`), or a new ``factory()``."""
+    if _manager is not None:
+        return _manager.get_persistent_resource(key, factory)
+    return factory()
+
+
+def get_lock_buffer(name: str, numel: int, device: torch.device | str) -> torch.Tensor:
+    """The current slot's and stream's lock buffer (see
+    :meth:`WorkspaceManager.get_lock_buffer`), or a new zeroed one."""
+    if _manager is not None:
+        return _manager.get_lock_buffer(name, numel, device)
+    return torch.zeros(numel, dtype=torch.int32, device=device)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.activation_quant import (
+from vllm.model_executor.kernels.common.activation_quant import (
     act_and_quant,
     gated_act_reference,
 )
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+from vllm.model_executor.kernels.common.fp8 import (
     per_token_quant_fp8,
 )
 

@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ACTIVATIONS = ("silu", "swiglu")
-"""silu: silu(gate) * up. swiglu: the clamped gpt-oss form
-gate * sigmoid(1.702 * gate) * (up + 1), gate <= 7, |up| <= 7."""
+from vllm.model_executor.kernels.common.activation_quant import ACTIVATIONS
 
 
 class QuantScheme(enum.Enum):

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import nn
 
-from vllm.model_executor.kernels.device_info import is_hopper
+from vllm.model_executor.kernels.common.device_info import is_hopper
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (

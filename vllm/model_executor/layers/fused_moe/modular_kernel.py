@@ -14,6 +14,9 @@ from typing import ClassVar
 
 import torch
 
+from vllm.model_executor.kernels.common.fp8 import (
+    per_token_group_quant_fp8,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -23,13 +26,7 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     MoEPermuteScratch,
     get_moe_permute_scratch,
 )
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    per_token_group_quant_fp8,
-)
-from vllm.v1.worker.workspace import (
-    current_workspace_manager,
-    is_workspace_manager_initialized,
-)
+from vllm.v1.worker.workspace import get_workspace_buffers
 
 Shape = tuple[int, ...]
 
@@ -226,14 +223,9 @@ class FusedMoEModularKernel:
             moe.num_local_experts,
         )
         ws_dtype = self.experts.workspace_dtype(hidden_states.dtype)
-        if is_workspace_manager_initialized():
-            workspace13, workspace2 = current_workspace_manager().get_simultaneous(
-                (ws13_shape, ws_dtype), (ws2_shape, ws_dtype)
-            )
-        else:
-            device = hidden_states.device
-            workspace13 = torch.empty(ws13_shape, dtype=ws_dtype, device=device)
-            workspace2 = torch.empty(ws2_shape, dtype=ws_dtype, device=device)
+        workspace13, workspace2 = get_workspace_buffers(
+            hidden_states.device, (ws13_shape, ws_dtype), (ws2_shape, ws_dtype)
+        )
         # The output outlives the workspace views (the next layer reuses them).
         output = torch.empty(
             out_shape, dtype=hidden_states.dtype, device=hidden_states.device

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels import moe_permute as kernels
+from vllm.utils import canonical_device
 from vllm.v1.worker.workspace import (
-    canonical_device,
     current_workspace_manager,
+    get_shared_resource,
     is_workspace_manager_initialized,
 )
 
@@ -108,11 +109,10 @@ def get_moe_permute_scratch(
     scratch per call.
     """
     device = canonical_device(device)
-    factory = lambda: MoEPermuteScratch(num_experts, num_local_experts, device)
-    if not is_workspace_manager_initialized():
-        return factory()
     key = ("MoEPermuteScratch", num_experts, num_local_experts, str(device))
-    return current_workspace_manager().get_persistent_resource(key, factory)
+    return get_shared_resource(
+        key, lambda: MoEPermuteScratch(num_experts, num_local_experts, device)
+    )
 
 
 def moe_permute_unpermute_supported() -> bool:

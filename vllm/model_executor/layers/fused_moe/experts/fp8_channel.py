@@ -13,23 +13,24 @@ from typing import Self
 
 import torch
 
+from vllm.model_executor.kernels.common.fp8 import (
+    FP8_DTYPE,
+    per_channel_quant_fp8,
+)
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     carve,
     check_tensors,
 )
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-    FP8_DTYPE,
-    per_channel_quant_fp8,
-)
-from vllm.v1.worker.workspace import align_up
+from vllm.utils import align_up
+from vllm.v1.worker.workspace import ALIGNMENT
 
 
 def fp8_rows_bytes(rows: int, cols: int, groups: int = 1) -> int:
     """Bytes of ``rows`` fp8 rows of ``cols`` and their fp32 scales,
     ``groups`` per row."""
-    return align_up(rows * cols) + rows * groups * 4
+    return align_up(rows * cols, ALIGNMENT) + rows * groups * 4
 
 
 def carve_fp8_rows(
@@ -44,7 +45,9 @@ def carve_fp8_rows(
     ``workspace``."""
     q = carve(workspace, (rows, cols), FP8_DTYPE, offset)
     shape = (rows,) if groups is None else (rows, groups)
-    return q, carve(workspace, shape, torch.float32, offset + align_up(q.numel()))
+    return q, carve(
+        workspace, shape, torch.float32, offset + align_up(q.numel(), ALIGNMENT)
+    )
 
 
 class Fp8ChannelExperts(FusedMoEExperts):

@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 
-from vllm.model_executor.kernels.activation_quant import SWIGLU_ALPHA, SWIGLU_LIMIT
+from vllm.model_executor.kernels.common.activation_quant import (
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+)
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
@@ -39,11 +42,8 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
-from vllm.v1.worker.workspace import (
-    align_up,
-    current_workspace_manager,
-    is_workspace_manager_initialized,
-)
+from vllm.utils import align_up
+from vllm.v1.worker.workspace import ALIGNMENT, get_lock_buffer
 
 _FP8 = torch.float8_e4m3fn
 _GEMM_TYPE = "grouped_contiguous"
@@ -61,6 +61,7 @@ _ROW_BUCKETS = ((64, 64), (1024, 512), (1 << 30, 8192))
 # Stream-K semaphores: a kernel needs (ctas + ctas / 10) x locks-per-tile, with
 # ctas = ctas-per-SM x SMs (145 on an H200 with one CTA per SM).
 _LOCKS_PER_SM = 8
+HUMMING_LOCKS_KEY = "humming_locks"
 
 # ``binary_split`` activations: a = gate (first half), b = up (second half).
 _ACTIVATION_IMPLS = {
@@ -240,7 +241,7 @@ class _HummingGemm:
 
     def input_nbytes(self, rows: int) -> int:
         data = rows * self.shape_k * self.input_dtype.itemsize
-        return align_up(data) + rows * self.input_groups() * 4
+        return align_up(data, ALIGNMENT) + rows * self.input_groups() * 4
 
     def input_views(
         self, workspace: torch.Tensor, rows: int
@@ -250,7 +251,7 @@ class _HummingGemm:
         groups = self.input_groups()
         if not groups:
             return data, None
-        offset = align_up(data.nbytes)
+        offset = align_up(data.nbytes, ALIGNMENT)
         return data, carve(workspace, (rows, groups), torch.float32, offset)
 
     def scale_kwargs(self, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -354,17 +355,7 @@ class HummingGroupedExperts(FusedMoEExperts):
 
     def _locks(self, device: torch.device) -> torch.Tensor:
         """Stream-K semaphores of this (slot, stream); zero between calls."""
-        if not is_workspace_manager_initialized():
-            return torch.zeros(self.num_locks, dtype=torch.int32, device=device)
-        manager = current_workspace_manager()
-        manager.require_device(device, "Humming Stream-K locks")
-        return manager.get_persistent(
-            ("humming_locks", str(device)),
-            (self.num_locks,),
-            torch.int32,
-            zero_init=True,
-            per_stream=True,
-        )
+        return get_lock_buffer(HUMMING_LOCKS_KEY, self.num_locks, device)
 
     def _check_inputs(
         self, hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None

@@ -49,7 +49,8 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     moe_prepare_scatter,
     moe_unpermute,
 )
-from vllm.v1.worker.workspace import align_up
+from vllm.utils import align_up
+from vllm.v1.worker.workspace import ALIGNMENT
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
@@ -85,7 +86,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         # the first, larger layout whichever path runs (+17 MiB at 8192
         # tokens, qwen3-30b-a3b dims), so the size does not depend on the GPU.
         groups_bytes = fp8_rows_bytes(rows, inter, act_groups(inter))
-        workspace13 = align_up(fp8_rows_bytes(M, K)) + groups_bytes
+        workspace13 = align_up(fp8_rows_bytes(M, K), ALIGNMENT) + groups_bytes
         # workspace2: GEMM1's bf16 activation (per-row path), then GEMM2's rows.
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
@@ -121,7 +122,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             offsets,
             moe.activation,
         )
-        tokens_bytes = align_up(fp8_rows_bytes(num_tokens, hidden))
+        tokens_bytes = align_up(fp8_rows_bytes(num_tokens, hidden), ALIGNMENT)
         act_q, group_scale = carve_fp8_rows(
             workspace13, rows, inter, act_groups(inter), tokens_bytes
         )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.device_info import capability, is_hopper
+from vllm.model_executor.kernels.common.device_info import capability, is_hopper
 from vllm.model_executor.kernels.grouped_gemm_bf16 import (
     grouped_gemm_bf16,
     grouped_gemm_bf16_gated,

@@ -12,16 +12,10 @@ None and never bakes in one slot's or one stream's buffer.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from vllm.model_executor.kernels import marlin_gemm as kernel
-from vllm.v1.worker.workspace import (
-    canonical_device,
-    current_workspace_manager,
-    is_workspace_manager_initialized,
-)
+from vllm.v1.worker.workspace import get_lock_buffer
 
 MARLIN_WORKSPACE_KEY = "marlin_workspace"
 
@@ -48,22 +42,9 @@ def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
     With a workspace manager it is a stream-scoped persistent tensor, zeroed
     once; without one, a fresh zeroed buffer per call.
     """
-    device = canonical_device(device)
-    if not is_workspace_manager_initialized():
-        return marlin_make_workspace_new(device)
-    manager = current_workspace_manager()
-    if device != manager.device:
-        manager.require_device(device, "a Marlin workspace")
-    key, shape = _workspace_spec(device)
-    return manager.get_persistent(
-        key, shape, torch.int32, zero_init=True, per_stream=True
+    return get_lock_buffer(
+        MARLIN_WORKSPACE_KEY, kernel.marlin_workspace_numel(device), device
     )
-
-
-@functools.cache
-def _workspace_spec(device: torch.device) -> tuple[tuple[str, str], tuple[int]]:
-    # Once per device: this runs on every GEMM call (host time matters).
-    return (MARLIN_WORKSPACE_KEY, str(device)), (kernel.marlin_workspace_numel(device),)
 
 
 # -- weight preparation ------------------------------------------------------

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) quantization of activations and weights in plain PyTorch."""
+"""FP8 (e4m3) constants and quantization of activations and weights in plain
+PyTorch (the CPU path, and the oracle of the fused kernels)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
-_MIN_SCALE = 1e-12  # keeps all-zero rows finite
+MIN_SCALE = 1e-12  # keeps all-zero rows finite (scale = MIN_SCALE / FP8_MAX)
 
 
 def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row quantization: (q [M, K] fp8, scale [M, 1] fp32)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_MIN_SCALE) / FP8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(MIN_SCALE) / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -29,7 +30,7 @@ def per_token_group_quant_fp8(
             f"x: hidden size {k} is not a multiple of the group size {group_size}"
         )
     groups = x.float().view(m, k // group_size, group_size)
-    scale = groups.abs().amax(dim=-1).clamp_min(_MIN_SCALE) / FP8_MAX
+    scale = groups.abs().amax(dim=-1).clamp_min(MIN_SCALE) / FP8_MAX
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, k), scale
 

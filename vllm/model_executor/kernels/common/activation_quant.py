@@ -17,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+ACTIVATIONS = ("silu", "swiglu")
+"""silu: silu(gate) * up. swiglu: the clamped gpt-oss form
+gate * sigmoid(1.702 * gate) * (up + 1), gate <= 7, |up| <= 7."""
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max
-MIN_SCALE = 1e-12  # keeps all-zero rows finite (scale = MIN_SCALE / FP8_MAX)
 
-MODES = {None: 0, "silu": 1, "swiglu": 2}  # the kernels' MODE
+# The kernels' MODE: 0 plain rows, then ACTIVATIONS in order (gated_act).
+MODES = {None: 0} | {name: i + 1 for i, name in enumerate(ACTIVATIONS)}
 
 
 @triton.jit

@@ -1,11 +1,12 @@
 import pytest
 import torch
 
-from vllm.model_executor.kernels.activation_quant import FP8_DTYPE, act_and_quant
-from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
-from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+from vllm.model_executor.kernels.common.activation_quant import act_and_quant
+from vllm.model_executor.kernels.common.fp8 import (
+    FP8_DTYPE,
     per_token_quant_fp8,
 )
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 
 POISON = -3.0
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vllm.model_executor.kernels.checks import check_contiguous
+from vllm.model_executor.kernels.common.checks import check_contiguous
 
 
 def test_check_contiguous_accepts_the_expected_tensor():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vllm.model_executor.kernels.device_info import CPU_SMS, capability, num_sms
+from vllm.model_executor.kernels.common.device_info import CPU_SMS, capability, num_sms
 
 
 def test_cpu_has_the_interpreter_bound():
