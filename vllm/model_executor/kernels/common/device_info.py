@@ -11,6 +11,16 @@ import torch
 CPU_SMS = 8
 
 
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether callers run the Triton kernels on ``t`` (CUDA tensors) or the
+    plain-PyTorch references (CPU: the fallback path and the test oracle).
+
+    The one place that makes this choice; kernels themselves still run on CPU
+    tensors under ``TRITON_INTERPRET=1``, which is how tests reach them.
+    """
+    return t.is_cuda
+
+
 def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
