@@ -21,16 +21,18 @@ import torch
 import triton
 import triton.testing
 
-from vllm.model_executor.kernels.marlin_gemm import (
+from vllm.model_executor.kernels.marlin import (
     TILE_K,
     MarlinConfig,
-    _default_config,
-    _resident_programs,
     dequantize_weights,
     marlin_gemm,
     marlin_workspace_numel,
     quantize_weights,
     repack_weights,
+)
+from vllm.model_executor.kernels.marlin.config import (
+    default_config,
+    resident_programs,
 )
 
 COPY_CEILING_TBS = 4.27
@@ -98,7 +100,7 @@ def _candidates(m: int, n: int, k: int, dev: torch.device) -> list[MarlinConfig]
         cfg = MarlinConfig(bm, bn, 1, nw, ns)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = 1
-        limit = _resident_programs(cfg, dev)
+        limit = resident_programs(cfg, dev)
         while tiles * split * 2 <= limit and (k // TILE_K) % (split * 2) == 0:
             split *= 2
         for s in sorted({split, max(1, split // 2), max(1, split // 4)}):
@@ -135,7 +137,7 @@ def main() -> None:
             a = torch.randn(m, k, device=dev, dtype=dtype)
             bf16_us = _bench(functools.partial(torch.matmul, a, w_deq.t()))
             point = functools.partial(_time_config, a, packed, scales, w_deq, ws, g)
-            default = _default_config(m, n, k, dev)
+            default = default_config(m, n, k, dev)
             us = point(None)
             best_us, best = us, default
             if args.tune:

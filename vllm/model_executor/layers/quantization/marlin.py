@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.kernels.marlin import TILE_K
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     apply_marlin_linear,
     marlin_quantize_and_repack,
@@ -33,13 +34,14 @@ class MarlinLinear(nn.Module):
         super().__init__()
         if params_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"params_dtype: expected bf16 or fp16, got {params_dtype}")
-        if in_features % 128 != 0:
+        # The kernel steps K by TILE_K; scale groups must hold whole steps.
+        if in_features % TILE_K != 0:
             raise ValueError(
-                f"in_features: expected a multiple of 128, got {in_features}"
+                f"in_features: expected a multiple of {TILE_K}, got {in_features}"
             )
-        if group_size != -1 and (group_size % 128 or in_features % group_size):
+        if group_size != -1 and (group_size % TILE_K or in_features % group_size):
             raise ValueError(
-                f"group_size: expected -1 or a multiple of 128 dividing "
+                f"group_size: expected -1 or a multiple of {TILE_K} dividing "
                 f"in_features={in_features}, got {group_size}"
             )
         self.in_features = in_features

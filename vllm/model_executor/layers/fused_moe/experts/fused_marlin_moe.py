@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.marlin_gemm import marlin_gemm_grouped
+from vllm.model_executor.kernels.common.device_info import runs_triton
+from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -38,11 +39,6 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
 
 
-def _use_kernel(a: torch.Tensor) -> bool:
-    """The Triton kernel on CUDA; CPU tensors take the reference."""
-    return a.is_cuda
-
-
 def _grouped_gemm(
     a: torch.Tensor,
     packed: torch.Tensor,
@@ -53,7 +49,7 @@ def _grouped_gemm(
 ) -> None:
     """``out[rows of e] = a[rows of e] @ dequant(packed[e], scales[e])^T``."""
     size_n, size_k = packed.shape[1], a.shape[1]
-    if _use_kernel(a):
+    if runs_triton(a):
         marlin_gemm_grouped(
             a,
             packed,

@@ -14,25 +14,33 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels import marlin_gemm as kernel
+from vllm.model_executor.kernels.marlin import (
+    MAX_TILES_PER_SM,
+    check_marlin_args,
+    dequantize_weights,
+    marlin_gemm,
+    marlin_workspace_numel,
+    quantize_weights,
+    repack_weights,
+)
 from vllm.v1.worker.workspace import get_lock_buffer
 
 MARLIN_WORKSPACE_KEY = "marlin_workspace"
 
 
 def marlin_make_workspace_new(
-    device: torch.device | str, max_blocks_per_sm: int = kernel.MAX_TILES_PER_SM
+    device: torch.device | str, max_blocks_per_sm: int = MAX_TILES_PER_SM
 ) -> torch.Tensor:
     """A zeroed int32 lock buffer for up to ``max_blocks_per_sm`` tiles per SM."""
     device = torch.device(device)
-    if max_blocks_per_sm < kernel.MAX_TILES_PER_SM:
+    if max_blocks_per_sm < MAX_TILES_PER_SM:
         raise ValueError(
-            f"max_blocks_per_sm: the kernel keeps up to {kernel.MAX_TILES_PER_SM} "
+            f"max_blocks_per_sm: the kernel keeps up to {MAX_TILES_PER_SM} "
             f"output tiles per SM in flight, expected >= that, got "
             f"{max_blocks_per_sm}"
         )
-    numel = kernel.marlin_workspace_numel(device)
-    numel = numel // kernel.MAX_TILES_PER_SM * max_blocks_per_sm
+    numel = marlin_workspace_numel(device)
+    numel = numel // MAX_TILES_PER_SM * max_blocks_per_sm
     return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
@@ -42,9 +50,7 @@ def get_marlin_workspace(device: torch.device | str) -> torch.Tensor:
     With a workspace manager it is a stream-scoped persistent tensor, zeroed
     once; without one, a fresh zeroed buffer per call.
     """
-    return get_lock_buffer(
-        MARLIN_WORKSPACE_KEY, kernel.marlin_workspace_numel(device), device
-    )
+    return get_lock_buffer(MARLIN_WORKSPACE_KEY, marlin_workspace_numel(device), device)
 
 
 # -- weight preparation ------------------------------------------------------
@@ -54,15 +60,15 @@ def marlin_quantize_and_repack(
     weight: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight[N, K]`` -> (packed int32 [N, K // 8], scales [groups, N] in dtype)."""
-    q, scales = kernel.quantize_weights(weight, group_size)
-    return kernel.repack_weights(q), scales.to(dtype)
+    q, scales = quantize_weights(weight, group_size)
+    return repack_weights(q), scales.to(dtype)
 
 
 def marlin_dequantize(
     packed: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Reference dequantized weights ``[N, K]`` in the scales' dtype."""
-    return kernel.dequantize_weights(packed, scales, group_size)
+    return dequantize_weights(packed, scales, group_size)
 
 
 # -- runtime op --------------------------------------------------------------
@@ -96,7 +102,7 @@ def _marlin_gemm_cuda(
     size_n: int,
     size_k: int,
 ) -> torch.Tensor:
-    return kernel.marlin_gemm(
+    return marlin_gemm(
         a,
         b_q_weight,
         b_scales,
@@ -117,7 +123,7 @@ def _marlin_gemm_cpu(
     size_k: int,
 ) -> torch.Tensor:
     """The plain-PyTorch path, with the same workspace resolution and checks."""
-    kernel.check_marlin_args(
+    check_marlin_args(
         a,
         b_q_weight,
         b_scales,

@@ -1,19 +1,20 @@
-"""The Marlin runtime op, its lock workspaces and MarlinLinear.
+"""The Marlin runtime op, its lock workspaces and weight preparation.
 
 Kernel-level numerics under the Triton interpreter live in
-tests/model_executor/kernels/test_marlin_gemm_kernel.py; here the op runs the
-Triton kernel on CUDA and the plain-PyTorch path on CPU.
+tests/model_executor/kernels/marlin/test_gemm.py and MarlinLinear's own
+contract in tests/model_executor/layers/quantization/test_marlin.py; here the
+op runs the Triton kernel on CUDA and the plain-PyTorch path on CPU.
 """
 
 import pytest
 import torch
 
-from vllm.model_executor.kernels.marlin_gemm import (
-    _default_config,
+from vllm.model_executor.kernels.marlin import (
     marlin_workspace_numel,
     quantize_weights,
     unpack_weights,
 )
+from vllm.model_executor.kernels.marlin.config import default_config
 from vllm.model_executor.layers.quantization.marlin import MarlinLinear
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     MARLIN_WORKSPACE_KEY,
@@ -97,7 +98,7 @@ def test_poisoned_locks_give_wrong_results(workspace_init):
     assert relative_error(marlin_op(a, packed, scales, 128, n, k, clean), ref) < 1e-2
     # Every counter at the last slice's number: that slice goes first, then
     # resets the counter and slice 0 overwrites its partial sum.
-    split = _default_config(1, n, k, torch.device("cuda")).split_k
+    split = default_config(1, n, k, torch.device("cuda")).split_k
     assert split > 1
     poisoned = marlin_make_workspace_new("cuda").fill_(split - 1)
     out = marlin_op(a, packed, scales, 128, n, k, poisoned)
@@ -151,13 +152,6 @@ def test_bad_workspace_is_rejected(device):
         marlin_op(a, packed, scales[:1], 128, 128, 256)
     with pytest.raises(ValueError, match="group_size"):
         marlin_op(a, packed, scales, 96, 128, 256)
-    layer = MarlinLinear(256, 128, device=device)
-    layer.weight_loader(torch.randn(128, 256, device=device))
-    layer.process_weights_after_loading()
-    with pytest.raises(ValueError, match="x"):
-        layer(torch.randn(2, 128, device=device, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="x"):
-        layer(a.float())
 
 
 # -- lock workspaces -------------------------------------------------------------
@@ -241,31 +235,6 @@ def test_streams_get_own_buffers_and_run_concurrently(workspace_init):
         for out in outs[i]:
             assert relative_error(out, ref) < 1e-2
         assert int(buffers[i].count_nonzero()) == 0
-
-
-@pytest.mark.gpu
-def test_cuda_graph_on_warmup_stream(workspace_init):
-    torch.manual_seed(6)
-    layer = MarlinLinear(4096, 1024, device="cuda")
-    layer.weight_loader(torch.randn(1024, 4096, device="cuda"))
-    layer.process_weights_after_loading()
-    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)  # warm-up on the capture stream creates its lock buffer
-    stream.synchronize()
-    workspace_init.lock()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        y = layer(x)
-    assert layer.qweight is not None and layer.scales is not None
-    weight = marlin_dequantize(layer.qweight, layer.scales, 128).float()
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(y, x.float() @ weight.t()) < 1e-2
 
 
 # -- torch.compile ---------------------------------------------------------------
