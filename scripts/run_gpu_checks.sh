@@ -33,6 +33,19 @@ step() {  # step NAME LOGFILE COMMAND...: run, append to LOGFILE, record the sta
     results+=("rc=$rc $((SECONDS - start))s $(tail -n 3 "$log" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' | tr '\n' ' ')")
 }
 
+own_group() {  # own_group COMMAND...: run it as a process group of its own, then
+    # end whatever is left of that group (stray pytest-xdist workers), and
+    # nothing else on the machine.
+    set -m
+    "$@" &
+    local pid=$!
+    set +m
+    wait "$pid"
+    local rc=$?
+    kill -9 -- "-$pid" 2>/dev/null || true
+    return "$rc"
+}
+
 # At most a handful of files come back from the device: one log for the
 # tests, one for all benchmarks, and a JSON per benchmark.
 # Tests compile many Triton/humming kernels (CPU-bound): spread them over
@@ -43,10 +56,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     # The whole suite: on CUDA the `device` fixture runs the shared tests on
     # the GPU too, a superset of `-m gpu`. Bounded, and its xdist workers are
     # killed afterwards so no straggler shares the GPU with the benchmarks.
-    step gpu-tests "$LOG/gpu_tests.log" timeout -k 10 "${TEST_TIMEOUT_S:-480}" \
-        python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
-        "${workers[@]}" "${@:-tests}"
-    pkill -9 -f 'sys[.]stdin[.]readline' 2>/dev/null || true  # execnet/xdist workers
+    step gpu-tests "$LOG/gpu_tests.log" own_group timeout -k 10 \
+        "${TEST_TIMEOUT_S:-480}" python3 -m pytest -q -p no:cacheprovider \
+        -p no:benchmark --tb=short -rfE "${workers[@]}" "${@:-tests}"
 fi
 for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     [ -f "$bench" ] || continue

@@ -4,11 +4,12 @@ import logging
 
 from vllm import envs
 
-_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+# Time, level and logger name (the module, via init_logger(__name__)).
+_FORMAT = "%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s"
 _root = logging.getLogger("vllm")
 if not _root.handlers:
     _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    _handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     _root.addHandler(_handler)
     _root.setLevel(envs.logging_level())
     _root.propagate = False
