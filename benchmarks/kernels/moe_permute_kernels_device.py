@@ -20,7 +20,9 @@ import torch
 import triton
 
 from benchmarks.kernels.bench_utils import copy_bandwidth_gbps, time_graph_us
-from vllm.model_executor.kernels import moe_permute as mp
+from vllm.model_executor.kernels.moe_permute import reference as mp_ref
+from vllm.model_executor.kernels.moe_permute import rows as mp_rows
+from vllm.model_executor.kernels.moe_permute import sort as mp_sort
 
 TOPK = 8
 DEV = torch.device("cuda")
@@ -81,8 +83,8 @@ class Case:
         self.offsets = torch.empty(self.n_local + 1, dtype=torch.int64, device=DEV)
         # Generous, so that every candidate sort block fits.
         ws_numel = max(
-            mp.sort_workspace_numel(self.R, self.n_local),
-            triton.cdiv(self.R, 64) * mp._num_count_columns(self.n_local),
+            mp_sort.sort_workspace_numel(self.R, self.n_local),
+            triton.cdiv(self.R, 64) * mp_sort._num_count_columns(self.n_local),
         )
         self.ws = torch.empty(ws_numel, dtype=torch.int32, device=DEV)
         self.out = torch.empty(self.R, hidden, dtype=dtype, device=DEV)
@@ -99,7 +101,7 @@ class Case:
         self.topk_ids.copy_(torch.where(bad, bad_ids, ids))
 
     def sort(self) -> None:
-        mp.route_sort(
+        mp_sort.route_sort(
             self.topk_ids,
             self.expert_map,
             self.E,
@@ -111,12 +113,12 @@ class Case:
         )
 
     def permute(self) -> None:
-        mp.permute_rows(
+        mp_rows.permute_rows(
             self.x, self.inv, TOPK, self.offsets, self.out, self.scale, self.out_scale
         )
 
     def unpermute(self) -> None:
-        mp.unpermute_rows(self.y, self.out, self.w, self.inv, self.offsets)
+        mp_rows.unpermute_rows(self.y, self.out, self.w, self.inv, self.offsets)
 
     def row_bytes(self) -> int:
         return self.H * self.x.element_size()
@@ -130,7 +132,7 @@ class Case:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(mp._SAME_SIZE_INT[t.element_size()])
+    return t.view(mp_rows._SAME_SIZE_INT[t.element_size()])
 
 
 def check_case(case: Case, rows: bool) -> list[str]:
@@ -140,7 +142,7 @@ def check_case(case: Case, rows: bool) -> list[str]:
     case.offsets.fill_(-7)
     case.ws.fill_(-7)
     case.sort()
-    ref_inv, ref_perm, ref_offsets = mp.route_sort_reference(
+    ref_inv, ref_perm, ref_offsets = mp_ref.route_sort_reference(
         case.topk_ids, case.expert_map, case.E, case.n_local
     )
     tag = f"T={case.T} E={case.E} local={case.n_local}"
@@ -154,7 +156,7 @@ def check_case(case: Case, rows: bool) -> list[str]:
     if case.out_scale is not None:
         case.out_scale.fill_(float("nan"))
     case.permute()
-    ref_rows, ref_scale = mp.permute_rows_reference(
+    ref_rows, ref_scale = mp_ref.permute_rows_reference(
         case.x, ref_inv, TOPK, ref_offsets, case.scale
     )
     nv = int(ref_offsets[-1])
@@ -171,7 +173,7 @@ def check_case(case: Case, rows: bool) -> list[str]:
     if case.x.dtype == torch.bfloat16:
         case.y.fill_(float("nan"))
         case.unpermute()
-        ref_y = mp.unpermute_rows_reference(case.out, case.w, ref_inv, ref_offsets)
+        ref_y = mp_ref.unpermute_rows_reference(case.out, case.w, ref_inv, ref_offsets)
         if not torch.allclose(case.y.float(), ref_y.float(), rtol=8e-3, atol=8e-3):
             diff = (case.y.float() - ref_y.float()).abs().max().item()
             errors.append(f"unpermute {tag} H={case.H} maxdiff={diff}")
@@ -192,7 +194,7 @@ def run_checks() -> None:
             for block in (256, 512, 1024, 2048):
                 case.inv.fill_(-7)
                 case.perm.fill_(-7)
-                mp._route_sort_blocked(
+                mp_sort._route_sort_blocked(
                     case.topk_ids,
                     case.expert_map,
                     case.E,
@@ -203,7 +205,7 @@ def run_checks() -> None:
                     case.ws,
                     block,
                 )
-                ref = mp.route_sort_reference(
+                ref = mp_ref.route_sort_reference(
                     case.topk_ids, case.expert_map, case.E, case.n_local
                 )
                 if not (
@@ -236,11 +238,11 @@ def copy_tbps() -> float:
 
 def count_only(case: Case, block: int) -> Callable[[], None]:
     """The first of the two sort launches alone."""
-    return lambda: mp._route_count_kernel[(triton.cdiv(case.R, block),)](
+    return lambda: mp_sort._route_count_kernel[(triton.cdiv(case.R, block),)](
         case.topk_ids, case.topk_ids, case.ws, case.R, case.E, case.n_local,
         HAS_MAP=False, BLOCK=block,
-        NUM_BUCKETS=mp._num_buckets_padded(case.n_local),
-        NUM_COLS=mp._num_count_columns(case.n_local), num_warps=4,
+        NUM_BUCKETS=mp_sort._num_buckets_padded(case.n_local),
+        NUM_COLS=mp_sort._num_count_columns(case.n_local), num_warps=4,
     )  # fmt: skip
 
 
@@ -252,7 +254,7 @@ def sweep_sort() -> None:
         for warps in (1, 2, 4):
 
             def single(c: Case = case, w: int = warps) -> None:
-                mp._route_sort_single(
+                mp_sort._route_sort_single(
                     c.topk_ids, None, c.E, c.n_local, c.inv, c.perm, c.offsets, w
                 )
 
@@ -267,7 +269,7 @@ def sweep_sort() -> None:
                 continue
 
             def blocked(c: Case = case, b: int = block, w: int = warps) -> None:
-                mp._route_sort_blocked(
+                mp_sort._route_sort_blocked(
                     c.topk_ids, None, c.E, c.n_local, c.inv, c.perm, c.offsets, c.ws,
                     b, w,
                 )  # fmt: skip
@@ -281,10 +283,10 @@ def sweep_sort() -> None:
 
 def row_op(case: Case, name: str, tile: int, warps: int) -> Callable[[], None]:
     if name == "permute":
-        return lambda: mp._permute_rows_launch(
+        return lambda: mp_rows._permute_rows_launch(
             case.x, case.inv, TOPK, case.offsets, case.out, None, None, tile, warps
         )
-    return lambda: mp._unpermute_rows_launch(
+    return lambda: mp_rows._unpermute_rows_launch(
         case.y, case.out, case.w, case.inv, case.offsets, tile, warps
     )
 

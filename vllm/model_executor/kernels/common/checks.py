@@ -40,3 +40,50 @@ def check_tma_rows(name: str, t: torch.Tensor, multiple: int = 1) -> None:
             f"{name}: expected a 16-byte aligned start and K a positive multiple "
             f"of {step} for {t.dtype}, got K={k} at {t.data_ptr():#x}"
         )
+
+
+def arg_error(name: str, expected: str) -> ValueError:
+    """The error for argument ``name`` not being ``expected``; callers build
+    it only on failure, since launchers check on every call."""
+    return ValueError(f"{name}: expected {expected}")
+
+
+def check_index(
+    name: str, t: torch.Tensor, min_numel: int, device: torch.device
+) -> None:
+    """Raise naming ``name`` unless ``t`` is a contiguous int32 tensor of at
+    least ``min_numel`` elements on ``device`` (an index buffer a kernel
+    writes or reads a prefix of)."""
+    if not (t.dtype == torch.int32 and t.is_contiguous() and t.numel() >= min_numel):
+        raise arg_error(
+            name,
+            f"a contiguous int32 tensor with at least {min_numel} elements, got "
+            f"{t.dtype} {tuple(t.shape)}",
+        )
+    if t.device != device:
+        raise arg_error(name, f"a tensor on {device}, got {t.device}")
+
+
+def check_rows(
+    name: str,
+    t: torch.Tensor,
+    min_rows: int,
+    cols: int,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
+    """Raise naming ``name`` unless ``t`` is a row buffer: [>= min_rows, cols]
+    of one of ``dtypes`` on ``device``, with unit last stride."""
+    if not (
+        t.dim() == 2
+        and t.dtype in dtypes
+        and t.shape[0] >= min_rows
+        and t.shape[1] == cols
+        and t.stride(1) == 1
+        and t.device == device
+    ):
+        raise arg_error(
+            name,
+            f"a [>= {min_rows}, {cols}] tensor of {dtypes} on {device} with unit "
+            f"last stride, got {t.dtype} {tuple(t.shape)} on {t.device}",
+        )

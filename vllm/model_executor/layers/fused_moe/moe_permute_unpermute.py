@@ -7,13 +7,13 @@ token's routes back and reduces them with the routing weights in fp32.
 The index metadata lives in a :class:`MoEPermuteScratch`: one per execution
 slot, shared by every sequential MoE layer with the same routing dims
 (:func:`get_moe_permute_scratch`). It holds index metadata only; permuted
-hidden states go to the caller's buffer (normally a workspace view). Its
-capacity follows the largest input seen and grows until the workspace manager
-is locked.
+hidden states go to the caller's buffer (normally a workspace view). A
+scratch is sized in expanded rows by the inputs it has been given so far, and
+may be enlarged only while the workspace manager is unlocked.
 
-CUDA tensors run the Triton kernels (no host sync, no allocation when scratch
-and buffers are given, so calls can be captured in CUDA graphs); CPU tensors
-run the plain-PyTorch reference.
+Where :func:`runs_triton` says so (CUDA tensors) the Triton kernels run: no
+host sync, no allocation when scratch and buffers are given, so calls can be
+captured in CUDA graphs. Elsewhere (CPU) the plain-PyTorch references run.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels import moe_permute as kernels
+from vllm.model_executor.kernels.common.device_info import runs_triton
 from vllm.utils import canonical_device
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -115,11 +116,6 @@ def get_moe_permute_scratch(
     )
 
 
-def moe_permute_unpermute_supported() -> bool:
-    """Whether the fast (Triton) path is available; CPU uses the reference."""
-    return torch.cuda.is_available()
-
-
 # -- validation --------------------------------------------------------------
 
 
@@ -195,7 +191,7 @@ def _sort_routes(
     inv = scratch.inv_permuted_idx[:rows]
     permuted = scratch.permuted_idx[:rows]
     offsets = scratch.expert_first_token_offset
-    if topk_ids.is_cuda:
+    if runs_triton(topk_ids):
         kernels.route_sort(
             topk_ids.contiguous(),
             expert_map,
@@ -350,7 +346,7 @@ def moe_permute(
     out = permuted_hidden_states[:rows]
     if rows:
         topk = topk_ids.shape[1]
-        if hidden_states.is_cuda:
+        if runs_triton(hidden_states):
             kernels.permute_rows(
                 hidden_states.contiguous(),
                 inv,
@@ -384,7 +380,7 @@ def moe_unpermute(
     given) are skipped; without offsets every route must be valid. Every row
     of ``out`` is written (zero when a token has no valid route).
     """
-    if out.is_cuda:
+    if runs_triton(out):
         kernels.unpermute_rows(
             out,
             permuted_hidden_states,

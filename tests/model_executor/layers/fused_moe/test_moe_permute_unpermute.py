@@ -1,9 +1,9 @@
 """moe_permute / moe_unpermute and the shared permute scratch.
 
-The oracle here is written independently of the package's reference: a
+The oracle here is written independently of the kernels' references: a
 stable argsort on (bucket, route) in int64 and a float64 weighted sum.
-CPU runs the package's reference path; CUDA runs the Triton kernels at the
-issue's full sizes.
+On CPU the ops run the references; on CUDA they run the Triton kernels, also
+at full model sizes (the ``gpu`` cases).
 """
 
 import functools
@@ -31,7 +31,6 @@ from vllm.v1.worker.workspace import (
     use_workspace_lane,
 )
 
-CUDA = torch.cuda.is_available()
 POISON = -7.0
 
 
