@@ -4,7 +4,8 @@
 # Installs wheels carried in .whl/ first (e.g. humming-kernels), writes logs
 # under $OUT when set (else ./out), and ends with a summary table.
 # Knobs: SKIP_TESTS=1, GPU_BENCHMARKS="<files>" (empty: none),
-# SKIP_MEMORY_REPORT=1, TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
+# SKIP_MEMORY_REPORT=1, TUNING="<benchmarks/tuning script names>" (default none),
+# TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
 # PYTEST_WORKERS (16). The whole run takes more than one 10-minute device
 # command: run the tests and the benchmarks as two commands.
 set -uo pipefail
@@ -65,6 +66,12 @@ for bench in ${GPU_BENCHMARKS-benchmarks/kernels/benchmark_*.py}; do
     name="$(basename "$bench" .py)"
     step "$name" "$LOG/benchmarks.log" timeout -k 5 "${BENCH_TIMEOUT_S:-150}" \
         python3 -m "benchmarks.kernels.$name" --output-json "$LOG/$name.json"
+done
+# Tuning scripts (full-size checks and launch-config sweeps) only when named,
+# e.g. TUNING="tune_moe_permute tune_marlin check_humming".
+for name in ${TUNING-}; do
+    step "$name" "$LOG/tuning.log" timeout -k 5 "${BENCH_TIMEOUT_S:-150}" \
+        python3 "benchmarks/tuning/$name.py"
 done
 if [ -z "${SKIP_MEMORY_REPORT:-}" ]; then
     step moe-memory-report "$LOG/benchmarks.log" python3 -m benchmarks.moe_memory_report \

@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import (
+from vllm.benchmarks.utils import (
     H200_PEAK_TFLOPS,
     time_graph_us,
     write_results,
 )
-from vllm.model_executor.kernels.grouped_gemm_fp8 import (
-    FP8_DTYPE,
+from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
+from vllm.model_executor.kernels.grouped_gemm import (
     GroupedGemmConfig,
     act_groups,
     default_config,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import copy_bandwidth_gbps, write_results
+from vllm.benchmarks.utils import copy_bandwidth_gbps, write_results
 from vllm.model_executor.kernels import marlin as kernel
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     get_marlin_workspace,

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import (
+from vllm.benchmarks.utils import (
     H200_PEAK_TFLOPS,
     time_cpu_us,
     time_graphs_us,
@@ -45,13 +45,11 @@ from vllm.model_executor.kernels.common.fp8 import (
     per_channel_quant_fp8,
     per_token_quant_fp8,
 )
-from vllm.model_executor.kernels.grouped_gemm_bf16 import (
-    grouped_gemm_bf16,
-    grouped_gemm_bf16_gated,
-)
-from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+from vllm.model_executor.kernels.grouped_gemm import (
+    grouped_gemm,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
+    grouped_gemm_gated,
     quantize_groups_reference,
     takes_gluon_groups,
 )
@@ -227,10 +225,10 @@ def triton_gemms(
     topk = moe.experts_per_token
 
     def step(it: int) -> None:
-        grouped_gemm_bf16_gated(
+        grouped_gemm_gated(
             hidden, src_routes, topk, experts.w13, offsets, moe.activation, act
         )
-        grouped_gemm_bf16(act, experts.w2, offsets, down)
+        grouped_gemm(act, experts.w2, offsets, down)
 
     return step
 

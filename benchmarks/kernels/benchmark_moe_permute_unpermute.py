@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.kernels.bench_utils import (
+from vllm.benchmarks.utils import (
     copy_bandwidth_gbps,
     time_cpu_us,
     time_graph_us,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.kernels.moe.moe_reference import torch_moe_reference
-from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_reference,

@@ -20,6 +20,8 @@ GEMM1 writes bf16 into workspace2 and a pass quantizes it per row into
 workspace13 (the tokens are dead by then) before GEMM2 overwrites
 workspace2.
 
+Which kernels run is :mod:`~vllm.model_executor.kernels.grouped_gemm`'s
+dispatch: the Triton kernels, or on Hopper the warp-specialized Gluon ones.
 CPU tensors take the kernels' plain-PyTorch references.
 """
 
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+from vllm.model_executor.kernels.common.device_info import runs_triton
+from vllm.model_executor.kernels.grouped_gemm import (
     act_groups,
     deinterleave_gate_up,
     grouped_gemm_fp8,
@@ -109,9 +112,9 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        cuda = hidden_states.is_cuda
-        gated = grouped_gemm_fp8_gated if cuda else grouped_gemm_fp8_gated_reference
-        gemm = grouped_gemm_fp8 if cuda else grouped_gemm_fp8_reference
+        kernels = runs_triton(hidden_states)
+        gated = grouped_gemm_fp8_gated if kernels else grouped_gemm_fp8_gated_reference
+        gemm = grouped_gemm_fp8 if kernels else grouped_gemm_fp8_reference
         gemm1_args = (
             a_q,
             a_scale,
@@ -127,6 +130,10 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             workspace13, rows, inter, act_groups(inter), tokens_bytes
         )
         down = carve(workspace2, (rows, hidden), output.dtype)
+        # The layer's one kernel decision: where both GEMMs take the Hopper
+        # kernels, GEMM1 writes fp8 with group scales for GEMM2, calls only
+        # those kernels take, so the launchers run them without deciding
+        # again. Otherwise each launcher picks its kernel for per-row scales.
         if takes_gluon_groups(a_q, self.w13, act_q, self.w2, down):
             gated(*gemm1_args, act_q, out_scale=group_scale)
             gemm(act_q, group_scale, self.w2, self.w2_scale, offsets, down)

@@ -15,25 +15,28 @@ permuted contiguous rows and returns the whole [R, 2I] product) this leaves
 out the permuted copy of the tokens, the product and the activation pass:
 ~600 MB of traffic at 8192 tokens with qwen3-30b-a3b dims.
 
-The kernels are Hopper's (:mod:`grouped_gemm_bf16`): other GPUs and shapes
-they cannot take are refused at construction (:meth:`TritonExperts.unsupported`,
-which ``auto`` asks) and keep ``grouped_mm``. CPU tensors take the kernels'
-plain-PyTorch references.
+The kernels are Hopper's (16-bit operands run only the warp-specialized
+Gluon kernels of :mod:`~vllm.model_executor.kernels.grouped_gemm`): other
+GPUs and shapes they cannot take are refused at construction
+(:meth:`TritonExperts.unsupported`, which ``auto`` asks) and keep
+``grouped_mm``. CPU tensors take the kernels' plain-PyTorch references.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.common.device_info import capability, is_hopper
-from vllm.model_executor.kernels.grouped_gemm_bf16 import (
-    grouped_gemm_bf16,
-    grouped_gemm_bf16_gated,
-    grouped_gemm_bf16_gated_reference,
-    grouped_gemm_bf16_reference,
+from vllm.model_executor.kernels.common.device_info import (
+    capability,
+    is_hopper,
+    runs_triton,
 )
-from vllm.model_executor.kernels.grouped_gemm_fp8 import (
+from vllm.model_executor.kernels.grouped_gemm import (
     deinterleave_gate_up,
+    grouped_gemm,
+    grouped_gemm_gated,
+    grouped_gemm_gated_reference,
+    grouped_gemm_reference,
     interleave_gate_up,
 )
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -98,9 +101,9 @@ class TritonExperts(UnquantizedExperts):
             hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        cuda = hidden_states.is_cuda
-        gated = grouped_gemm_bf16_gated if cuda else grouped_gemm_bf16_gated_reference
-        gemm = grouped_gemm_bf16 if cuda else grouped_gemm_bf16_reference
+        kernels = runs_triton(hidden_states)
+        gated = grouped_gemm_gated if kernels else grouped_gemm_gated_reference
+        gemm = grouped_gemm if kernels else grouped_gemm_reference
         act = carve(workspace2, (rows, moe.intermediate_size), dtype)
         gated(
             hidden_states,

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing and result helpers of the benchmark scripts under ``benchmarks/``."""
 
 from __future__ import annotations
 

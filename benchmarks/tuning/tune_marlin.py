@@ -2,7 +2,7 @@
 
 Run on a CUDA device from the repository root::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/kernels/marlin_kernel_device.py
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tuning/tune_marlin.py
 
 ``--tune`` also times a few candidate configs per point and reports the best
 next to the launcher's default. Weight bandwidth counts the int4 weights plus

@@ -3,7 +3,7 @@
 Run from the repository root with humming-kernels installed::
 
     HUMMING_DISABLE_PARALLEL_BUILD=1 PYTHONUNBUFFERED=1 PYTHONPATH=. \\
-        python benchmarks/kernels/humming_device_check.py [--api] [--bench]
+        python benchmarks/tuning/check_humming.py [--api] [--bench]
 
 For each scheme: build time (quantize + repack), the kernel table of both
 GEMMs, the first-call time of each case (JIT compile when the config is new),

@@ -1,7 +1,7 @@
 """Check and time the MoE permute kernels on a GPU.
 
 Run from the repository root: ``PYTHONPATH=. python
-benchmarks/kernels/moe_permute_kernels_device.py [--sweep] [--out DIR]``.
+benchmarks/tuning/tune_moe_permute.py [--sweep] [--out DIR]``.
 Correctness at full sizes against the PyTorch references first, then times
 under CUDA-graph replay (many iterations captured in one graph) and a
 device-to-device copy for the bandwidth ceiling. ``--sweep`` and
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.kernels.bench_utils import copy_bandwidth_gbps, time_graph_us
+from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graph_us
 from vllm.model_executor.kernels.moe_permute import reference as mp_ref
 from vllm.model_executor.kernels.moe_permute import rows as mp_rows
 from vllm.model_executor.kernels.moe_permute import sort as mp_sort
