@@ -11,12 +11,13 @@ import torch
 CPU_SMS = 8
 
 
-def runs_triton(t: torch.Tensor) -> bool:
-    """Whether callers run the Triton kernels on ``t`` (CUDA tensors) or the
-    plain-PyTorch references (CPU: the fallback path and the test oracle).
+def runs_gpu_kernels(t: torch.Tensor) -> bool:
+    """Whether callers run the GPU kernels on ``t`` (CUDA tensors: ours in
+    Triton or Gluon, or torch's CUDA ops) or the plain-PyTorch references
+    (CPU: the fallback path and the test oracle).
 
-    The one place that makes this choice; kernels themselves still run on CPU
-    tensors under ``TRITON_INTERPRET=1``, which is how tests reach them.
+    The one place that makes this choice; Triton kernels themselves still run
+    on CPU tensors under ``TRITON_INTERPRET=1``, which is how tests reach them.
     """
     return t.is_cuda
 

@@ -12,6 +12,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
     act_and_quant,
     gated_act_reference,
 )
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.fp8 import (
     per_token_quant_fp8,
 )
@@ -21,7 +22,7 @@ def apply_moe_activation(
     activation: str, out: torch.Tensor, gate_up: torch.Tensor
 ) -> torch.Tensor:
     """``out[R, I] = act(gate_up[:, :I], gate_up[:, I:])`` (see config.ACTIVATIONS)."""
-    if gate_up.is_cuda:
+    if runs_gpu_kernels(gate_up):
         act_and_quant(gate_up, out, activation)
         return out
     return out.copy_(gated_act_reference(activation, gate_up))
@@ -34,7 +35,7 @@ def quant_rows_fp8(
     activation: str | None = None,
 ) -> None:
     """``out, out_scale`` = per-row fp8 quantization of ``act(x)`` (or ``x``)."""
-    if x.is_cuda:
+    if runs_gpu_kernels(x):
         act_and_quant(x, out, activation, out_scale)
         return
     rows = x if activation is None else gated_act_reference(activation, x)

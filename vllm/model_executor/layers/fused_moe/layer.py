@@ -13,9 +13,13 @@ import weakref
 import torch
 from torch import nn
 
-from vllm.model_executor.kernels.common.device_info import is_hopper
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
+from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
+    HummingGroupedExperts,
+)
+from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import MarlinExperts
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
@@ -35,54 +39,61 @@ from vllm.v1.worker.workspace import (
     is_workspace_manager_initialized,
 )
 
-BACKENDS = (
-    "auto",
-    "grouped_mm",
-    "triton",
-    "cutlass",
-    "triton_fp8",
-    "humming",
-    "marlin",
-)
+logger = init_logger(__name__)
+
+EXPERTS_BACKENDS: dict[str, type[FusedMoEExperts]] = {
+    "grouped_mm": GroupedMMExperts,
+    "triton": TritonExperts,
+    "cutlass": CutlassExpertsFp8,
+    "triton_fp8": TritonExpertsFp8,
+    "humming": HummingGroupedExperts,
+    "marlin": MarlinExperts,
+}
+"""Backend names a layer accepts (besides ``auto``) and the experts they build."""
+
+AUTO_ORDER = {
+    "cuda": ("triton", "grouped_mm", "triton_fp8", "cutlass", "humming", "marlin"),
+    # The CPU runs references of the GPU kernels: grouped_mm is its bf16 path.
+    "cpu": ("grouped_mm", "triton", "triton_fp8", "cutlass", "humming", "marlin"),
+}
+"""``auto`` takes the first backend of the device's order that runs the layer.
+Measured on the H200: triton 1.15-1.37x the grouped_mm layer (64-8192
+tokens); triton_fp8's GEMMs 1.3-3x faster than cutlass's
+``_scaled_grouped_mm``; humming before our Marlin for W4A16 where
+humming-kernels is installed."""
+
+BACKENDS = ("auto", *EXPERTS_BACKENDS)
 
 _layers: weakref.WeakValueDictionary[str, FusedMoE] = weakref.WeakValueDictionary()
+
+
+def choose_experts_backend(moe: FusedMoEConfig, device: torch.device) -> str:
+    """The first backend of the device's :data:`AUTO_ORDER` whose
+    ``unsupported`` answers None; the reasons of those skipped go to the debug
+    log (and into the error when none runs the layer)."""
+    skipped: dict[str, str] = {}
+    for name in AUTO_ORDER["cpu" if device.type == "cpu" else "cuda"]:
+        reason = EXPERTS_BACKENDS[name].unsupported(moe, device)
+        if reason is None:
+            if skipped:
+                logger.debug("experts backend %s; skipped %s", name, skipped)
+            return name
+        skipped[name] = reason
+    raise ValueError(
+        f"backend: no experts backend runs {moe.quant_config.scheme.value} on "
+        f"{device}: " + "; ".join(f"{n}: {r}" for n, r in skipped.items())
+    )
 
 
 def make_experts(
     moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor, backend: str = "auto"
 ) -> FusedMoEExperts:
     """Prepare experts for ``moe.quant_config`` from full-precision weights."""
-    scheme = moe.quant_config.scheme
     if backend == "auto":
-        # The fused pipeline where its kernels run: 1.15-1.37x the grouped_mm
-        # layer from 64 to 8192 tokens on the H200.
-        fused = is_hopper(w13.device) and not TritonExperts.unsupported(moe, w13.device)
-        backend = {
-            QuantScheme.UNQUANTIZED: "triton" if fused else "grouped_mm",
-            # 1.3-3x faster GEMMs than _scaled_grouped_mm on the H200.
-            QuantScheme.FP8_PER_TOKEN: "triton_fp8",
-        }.get(scheme, "humming")
-    if backend == "grouped_mm":
-        return GroupedMMExperts(moe, w13, w2)
-    if backend == "triton":
-        return TritonExperts(moe, w13, w2)
-    if backend == "cutlass":
-        return CutlassExpertsFp8.from_unquantized(moe, w13, w2)
-    if backend == "triton_fp8":
-        return TritonExpertsFp8.from_unquantized(moe, w13, w2)
-    if backend == "humming":
-        from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
-            HummingGroupedExperts,
-        )
-
-        return HummingGroupedExperts.from_unquantized(moe, w13, w2)
-    if backend == "marlin":
-        from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import (
-            MarlinExperts,
-        )
-
-        return MarlinExperts.from_unquantized(moe, w13, w2)
-    raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        backend = choose_experts_backend(moe, w13.device)
+    if backend not in EXPERTS_BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return EXPERTS_BACKENDS[backend].from_unquantized(moe, w13, w2)
 
 
 class FusedMoE(nn.Module):
@@ -252,6 +263,14 @@ class FusedMoE(nn.Module):
         if self.kernel is None:
             raise RuntimeError(
                 f"{self.layer_name}: call process_weights_after_loading() first"
+            )
+        num_tokens, num_experts = hidden_states.shape[0], self.moe.num_experts
+        if router_logits.shape != (num_tokens, num_experts):
+            # Another width would route among the wrong experts silently.
+            raise ValueError(
+                f"router_logits: expected [{num_tokens}, {num_experts}] (tokens, "
+                f"global experts) for {self.layer_name}, got "
+                f"{list(router_logits.shape)}"
             )
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.moe.experts_per_token, self.renormalize

@@ -10,7 +10,7 @@ the experts' workspaces from the workspace manager in one
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import torch
 
@@ -103,17 +103,40 @@ class FusedMoEExperts(ABC):
     supported_schemes: ClassVar[tuple[QuantScheme, ...]]
 
     def __init__(self, moe: FusedMoEConfig) -> None:
-        self.check_scheme(moe)
         self.moe = moe
 
     @classmethod
-    def check_scheme(cls, moe: FusedMoEConfig) -> None:
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """Why this backend cannot run ``moe`` with weights on ``device`` (a
+        message naming the argument and what was expected), or None.
+
+        The backend-choice protocol: ``make_experts`` asks every backend in
+        order and takes the first that answers None. The base checks the
+        quantization scheme; backends add their own limits after it.
+        """
         if moe.quant_config.scheme not in cls.supported_schemes:
-            raise ValueError(
+            return (
                 f"moe.quant_config.scheme: {cls.__name__} runs "
                 f"{[s.value for s in cls.supported_schemes]}, got "
                 f"{moe.quant_config.scheme.value}"
             )
+        return None
+
+    @classmethod
+    def check_supported(cls, moe: FusedMoEConfig, device: torch.device) -> None:
+        """Raise ``ValueError`` with :meth:`unsupported`'s reason, if any;
+        every constructor calls it, so no backend runs what it refuses."""
+        reason = cls.unsupported(moe, device)
+        if reason is not None:
+            raise ValueError(reason)
+
+    @classmethod
+    @abstractmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> Self:
+        """Prepare (quantize, re-lay out) full-precision weights w13
+        [E_local, 2I, K] (gate rows first) and w2 [E_local, K, I]."""
 
     @abstractmethod
     def workspace_shapes(

@@ -11,7 +11,7 @@ hidden states go to the caller's buffer (normally a workspace view). A
 scratch is sized in expanded rows by the inputs it has been given so far, and
 may be enlarged only while the workspace manager is unlocked.
 
-Where :func:`runs_triton` says so (CUDA tensors) the Triton kernels run: no
+Where :func:`runs_gpu_kernels` says so (CUDA tensors) the Triton kernels run: no
 host sync, no allocation when scratch and buffers are given, so calls can be
 captured in CUDA graphs. Elsewhere (CPU) the plain-PyTorch references run.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels import moe_permute as kernels
-from vllm.model_executor.kernels.common.device_info import runs_triton
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.utils import canonical_device
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -191,7 +191,7 @@ def _sort_routes(
     inv = scratch.inv_permuted_idx[:rows]
     permuted = scratch.permuted_idx[:rows]
     offsets = scratch.expert_first_token_offset
-    if runs_triton(topk_ids):
+    if runs_gpu_kernels(topk_ids):
         kernels.route_sort(
             topk_ids.contiguous(),
             expert_map,
@@ -346,7 +346,7 @@ def moe_permute(
     out = permuted_hidden_states[:rows]
     if rows:
         topk = topk_ids.shape[1]
-        if runs_triton(hidden_states):
+        if runs_gpu_kernels(hidden_states):
             kernels.permute_rows(
                 hidden_states.contiguous(),
                 inv,
@@ -380,7 +380,7 @@ def moe_unpermute(
     given) are skipped; without offsets every route must be valid. Every row
     of ``out`` is written (zero when a token has no valid route).
     """
-    if runs_triton(out):
+    if runs_gpu_kernels(out):
         kernels.unpermute_rows(
             out,
             permuted_hidden_states,

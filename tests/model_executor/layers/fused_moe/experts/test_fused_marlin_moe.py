@@ -66,7 +66,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def use_kernel(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
-    monkeypatch.setattr(fused_marlin_moe, "runs_triton", lambda a: kernel)
+    monkeypatch.setattr(fused_marlin_moe, "runs_gpu_kernels", lambda a: kernel)
 
 
 def spy_workspaces(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:

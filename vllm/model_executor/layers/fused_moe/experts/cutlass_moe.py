@@ -31,6 +31,8 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 
 
 class CutlassExpertsFp8(Fp8ChannelExperts):
+    min_capability = (9, 0)  # torch._scaled_grouped_mm
+
     def workspace_shapes(
         self,
         M: int,

@@ -9,10 +9,11 @@ per-row quantized activations laid out by :func:`fp8_rows_bytes` /
 
 from __future__ import annotations
 
-from typing import Self
+from typing import ClassVar, Self
 
 import torch
 
+from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.fp8 import (
     FP8_DTYPE,
     per_channel_quant_fp8,
@@ -62,11 +63,7 @@ class Fp8ChannelExperts(FusedMoEExperts):
         w2_scale: torch.Tensor,
     ) -> None:
         super().__init__(moe)
-        if moe.hidden_size % 16 or moe.intermediate_size % 16:
-            raise ValueError(
-                "hidden_size/intermediate_size: fp8 grouped GEMMs need multiples of "
-                f"16, got {moe.hidden_size}/{moe.intermediate_size}"
-            )
+        self.check_supported(moe, w13.device)
         el = moe.num_local_experts
         check_tensors(
             ("w13", w13, (el, moe.w13_rows, moe.hidden_size), FP8_DTYPE),
@@ -76,6 +73,29 @@ class Fp8ChannelExperts(FusedMoEExperts):
         )
         self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
         self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
+
+    # Capability the backend's fp8 GEMMs need on CUDA (subclasses raise it).
+    min_capability: ClassVar[tuple[int, int]] = (8, 9)
+
+    @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """fp8 GEMMs need fp8 tensor cores on CUDA and sizes that are whole
+        16-byte rows of fp8."""
+        reason = super().unsupported(moe, device)
+        if reason is not None:
+            return reason
+        have = capability(device)
+        if have is not None and have < cls.min_capability:
+            return (
+                f"device: {cls.__name__} needs compute capability "
+                f"{cls.min_capability} or newer, got {device} with {have}"
+            )
+        if moe.hidden_size % 16 or moe.intermediate_size % 16:
+            return (
+                "hidden_size/intermediate_size: fp8 grouped GEMMs need multiples "
+                f"of 16, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        return None
 
     @classmethod
     def from_unquantized(

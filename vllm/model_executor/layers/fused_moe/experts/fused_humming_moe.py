@@ -100,41 +100,6 @@ _SCHEMES = {
 _HUMMING_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _require_humming() -> None:
-    try:
-        import humming  # noqa: F401
-    except ImportError as e:
-        raise ValueError(
-            "moe.quant_config: HummingGroupedExperts needs the humming-kernels "
-            f"package (import humming failed: {e})"
-        ) from e
-
-
-def _check_config(moe: FusedMoEConfig) -> _SchemeSpec:
-    HummingGroupedExperts.check_scheme(moe)
-    scheme = moe.quant_config.scheme
-    spec = _SCHEMES[scheme]
-    if moe.in_dtype not in _HUMMING_DTYPES:
-        raise ValueError(
-            f"moe.in_dtype: expected one of {list(_HUMMING_DTYPES)}, got {moe.in_dtype}"
-        )
-    if moe.activation not in _ACTIVATION_IMPLS:
-        raise ValueError(
-            f"moe.activation: HummingGroupedExperts supports "
-            f"{list(_ACTIVATION_IMPLS)}, got {moe.activation!r}"
-        )
-    for name, size in (
-        ("hidden_size", moe.hidden_size),
-        ("intermediate_size", moe.intermediate_size),
-    ):
-        if size % spec.multiple:
-            raise ValueError(
-                f"moe.{name}: {scheme.value} with humming needs a multiple of "
-                f"{spec.multiple}, got {size}"
-            )
-    return spec
-
-
 def _check_weights(moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> None:
     el = moe.num_local_experts
     check_tensors(
@@ -143,23 +108,6 @@ def _check_weights(moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor) -> 
     )
     if w2.device != w13.device:
         raise ValueError(f"w2: expected device {w13.device}, got {w2.device}")
-
-
-def _check_device(device: torch.device, moe: FusedMoEConfig, spec: _SchemeSpec) -> int:
-    """Returns the device's SM count."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(
-            f"w13: humming kernels need weights on a CUDA device (sm75+), got "
-            f"{device} (CUDA available: {torch.cuda.is_available()})"
-        )
-    props = torch.cuda.get_device_properties(device)
-    sm = props.major * 10 + props.minor
-    if sm < max(spec.min_sm, 75):
-        raise ValueError(
-            f"w13: {moe.quant_config.scheme.value} with {moe.in_dtype} activations "
-            f"needs sm{spec.min_sm}+ for humming, {device} is sm{sm}"
-        )
-    return int(props.multi_processor_count)
 
 
 class _HummingGemm:
@@ -322,14 +270,62 @@ class HummingGroupedExperts(FusedMoEExperts):
         self.activation_impl = _ACTIVATION_IMPLS[moe.activation]
 
     @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """Needs the humming-kernels package and a CUDA device new enough for
+        the scheme, a 16-bit activation dtype and sizes the scheme tiles."""
+        reason = super().unsupported(moe, device)
+        if reason is not None:
+            return reason
+        scheme = moe.quant_config.scheme
+        spec = _SCHEMES[scheme]
+        if moe.in_dtype not in _HUMMING_DTYPES:
+            return (
+                f"moe.in_dtype: expected one of {list(_HUMMING_DTYPES)}, got "
+                f"{moe.in_dtype}"
+            )
+        if moe.activation not in _ACTIVATION_IMPLS:
+            return (
+                f"moe.activation: HummingGroupedExperts supports "
+                f"{list(_ACTIVATION_IMPLS)}, got {moe.activation!r}"
+            )
+        for name, size in (
+            ("hidden_size", moe.hidden_size),
+            ("intermediate_size", moe.intermediate_size),
+        ):
+            if size % spec.multiple:
+                return (
+                    f"moe.{name}: {scheme.value} with humming needs a multiple of "
+                    f"{spec.multiple}, got {size}"
+                )
+        try:
+            import humming  # noqa: F401
+        except ImportError as e:
+            return (
+                "moe.quant_config: HummingGroupedExperts needs the humming-kernels "
+                f"package (import humming failed: {e})"
+            )
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return (
+                f"w13: humming kernels need weights on a CUDA device (sm75+), got "
+                f"{device} (CUDA available: {torch.cuda.is_available()})"
+            )
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < max(spec.min_sm, 75):
+            return (
+                f"w13: {scheme.value} with {moe.in_dtype} activations needs "
+                f"sm{spec.min_sm}+ for humming, {device} is sm{major}{minor}"
+            )
+        return None
+
+    @classmethod
     def from_unquantized(
         cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> HummingGroupedExperts:
         """Quantize w13 [E_local, 2I, K] and w2 [E_local, K, I] per the scheme."""
-        spec = _check_config(moe)
         _check_weights(moe, w13, w2)
-        _require_humming()
-        num_sms = _check_device(w13.device, moe, spec)
+        cls.check_supported(moe, w13.device)
+        spec = _SCHEMES[moe.quant_config.scheme]
+        num_sms = torch.cuda.get_device_properties(w13.device).multi_processor_count
         with torch.cuda.device(w13.device):
             gemm1 = _HummingGemm(w13, moe, spec)
             gemm2 = _HummingGemm(w2, moe, spec)

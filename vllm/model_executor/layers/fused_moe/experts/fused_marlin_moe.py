@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.common.device_info import runs_triton
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
@@ -49,7 +49,7 @@ def _grouped_gemm(
 ) -> None:
     """``out[rows of e] = a[rows of e] @ dequant(packed[e], scales[e])^T``."""
     size_n, size_k = packed.shape[1], a.shape[1]
-    if runs_triton(a):
+    if runs_gpu_kernels(a):
         marlin_gemm_grouped(
             a,
             packed,
@@ -90,7 +90,7 @@ class MarlinExperts(FusedMoEExperts):
         w2_scales: torch.Tensor,
     ) -> None:
         super().__init__(moe)
-        _check_sizes(moe)
+        self.check_supported(moe, w13_packed.device)
         el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
         check_tensors(
             ("w13_packed", w13_packed, (el, 2 * i, k // 8), torch.int32),
@@ -104,12 +104,25 @@ class MarlinExperts(FusedMoEExperts):
         self.w2_scales = w2_scales.contiguous()
 
     @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """Sizes must be whole quantization groups (and the kernels' K steps)."""
+        reason = super().unsupported(moe, device)
+        if reason is not None:
+            return reason
+        for name, size in (
+            ("hidden_size", moe.hidden_size),
+            ("intermediate_size", moe.intermediate_size),
+        ):
+            if size % GROUP_SIZE:
+                return f"{name}: expected a multiple of {GROUP_SIZE}, got {size}"
+        return None
+
+    @classmethod
     def from_unquantized(
         cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> MarlinExperts:
         """Quantize and repack ``w13 [E_local, 2I, K]``, ``w2 [E_local, K, I]``."""
-        cls.check_scheme(moe)
-        _check_sizes(moe)
+        cls.check_supported(moe, w13.device)
         el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
         check_tensors(("w13", w13, (el, 2 * i, k), None), ("w2", w2, (el, k, i), None))
 
@@ -196,12 +209,3 @@ class MarlinExperts(FusedMoEExperts):
         down = carve(workspace2, (rows, k), dtype)
         _grouped_gemm(act, self.w2_packed, self.w2_scales, offsets, locks, down)
         moe_unpermute(output, down, topk_weights, inv, offsets)
-
-
-def _check_sizes(moe: FusedMoEConfig) -> None:
-    for name, size in (
-        ("hidden_size", moe.hidden_size),
-        ("intermediate_size", moe.intermediate_size),
-    ):
-        if size % GROUP_SIZE:
-            raise ValueError(f"{name}: expected a multiple of {GROUP_SIZE}, got {size}")

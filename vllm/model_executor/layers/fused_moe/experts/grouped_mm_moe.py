@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.unquantized import (
@@ -42,7 +43,7 @@ def grouped_mm(
     left unspecified. With scales (fp8), ``scale_a`` [R] per row and
     ``scale_w`` [E, N] per output channel.
     """
-    if a.is_cuda:
+    if runs_gpu_kernels(a):
         if scale_a is None:
             return torch._grouped_mm(
                 a, w.transpose(1, 2), offs=expert_ends, out_dtype=out_dtype
@@ -78,13 +79,20 @@ class GroupedMMExperts(UnquantizedExperts):
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
         super().__init__(moe, w13, w2)
-        if w13.is_cuda and (moe.hidden_size % 8 or moe.intermediate_size % 8):
-            raise ValueError(
-                "hidden_size/intermediate_size: torch._grouped_mm needs multiples "
-                f"of 8, got {moe.hidden_size}/{moe.intermediate_size}"
-            )
         self.w13 = w13.contiguous()
         self.w2 = w2.contiguous()
+
+    @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        reason = super().unsupported(moe, device)
+        if reason is not None or device.type != "cuda":
+            return reason
+        if moe.hidden_size % 8 or moe.intermediate_size % 8:
+            return (
+                "hidden_size/intermediate_size: torch._grouped_mm needs "
+                f"multiples of 8, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        return None
 
     def apply(
         self,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.kernels.common.device_info import runs_triton
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.grouped_gemm import (
     act_groups,
     deinterleave_gate_up,
@@ -112,7 +112,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        kernels = runs_triton(hidden_states)
+        kernels = runs_gpu_kernels(hidden_states)
         gated = grouped_gemm_fp8_gated if kernels else grouped_gemm_fp8_gated_reference
         gemm = grouped_gemm_fp8 if kernels else grouped_gemm_fp8_reference
         gemm1_args = (

@@ -29,7 +29,7 @@ import torch
 from vllm.model_executor.kernels.common.device_info import (
     capability,
     is_hopper,
-    runs_triton,
+    runs_gpu_kernels,
 )
 from vllm.model_executor.kernels.grouped_gemm import (
     deinterleave_gate_up,
@@ -55,19 +55,19 @@ class TritonExperts(UnquantizedExperts):
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
         super().__init__(moe, w13, w2)
-        reason = self.unsupported(moe, w13.device)
-        if reason is not None:
-            raise ValueError(f"{reason}; backend 'grouped_mm' runs it")
         # GEMM1 takes its gate and up rows interleaved (one product tile).
         self.w13 = interleave_gate_up(w13)
         self.w2 = w2.contiguous()
 
-    @staticmethod
-    def unsupported(moe: FusedMoEConfig, device: torch.device) -> str | None:
-        """Why this backend cannot run ``moe`` on ``device``, or None: its
-        kernels are Hopper's (the CPU runs their references), GEMM1 gathers
-        token rows by 16-byte copies (hidden_size a multiple of 16) and the
-        activation's rows are TMA boxes (intermediate_size a multiple of 8)."""
+    @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """Its kernels are Hopper's (the CPU runs their references), GEMM1
+        gathers token rows by 16-byte copies (hidden_size a multiple of 16)
+        and the activation's rows are TMA boxes (intermediate_size a multiple
+        of 8); ``grouped_mm`` runs the rest."""
+        reason = super().unsupported(moe, device)
+        if reason is not None:
+            return reason
         if device.type == "cuda" and not is_hopper(device):
             return (
                 f"device: expected a Hopper GPU (sm90) or the CPU, got {device} "
@@ -101,7 +101,7 @@ class TritonExperts(UnquantizedExperts):
             hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        kernels = runs_triton(hidden_states)
+        kernels = runs_gpu_kernels(hidden_states)
         gated = grouped_gemm_gated if kernels else grouped_gemm_gated_reference
         gemm = grouped_gemm if kernels else grouped_gemm_reference
         act = carve(workspace2, (rows, moe.intermediate_size), dtype)

@@ -8,6 +8,8 @@ GEMM2's rows) and [R, I] (workspace2: the activation).
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
@@ -25,11 +27,18 @@ class UnquantizedExperts(FusedMoEExperts):
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
         super().__init__(moe)
+        self.check_supported(moe, w13.device)
         el = moe.num_local_experts
         check_tensors(
             ("w13", w13, (el, moe.w13_rows, moe.hidden_size), moe.in_dtype),
             ("w2", w2, (el, moe.hidden_size, moe.intermediate_size), moe.in_dtype),
         )
+
+    @classmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> Self:
+        return cls(moe, w13, w2)
 
     def workspace_shapes(
         self,
