@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.kernels.moe.moe_reference import torch_moe_reference
+from tests.model_executor.layers.fused_moe.utils import torch_moe_reference
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
