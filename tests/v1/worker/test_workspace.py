@@ -366,7 +366,10 @@ def test_helpers_use_the_manager_when_there_is_one(device):
         locks.fill_(3)  # a kernel that failed mid-way: the buffer is not re-zeroed
         assert get_lock_buffer("locks", 8, device) is locks
         (resource,) = manager.memory_report().slots[0].resources
-        assert resource.key == (("locks", str(manager.device)), ws._stream_key(device))
+        assert resource.key == (
+            ("locks", str(manager.device)),
+            ws._stream_key(manager.device),
+        )
         assert get_shared_resource("k", object) is get_shared_resource("k", object)
         (view,) = get_workspace_buffers(device, ((64,), torch.float32))
         (again,) = get_workspace_buffers(device, ((64,), torch.float32))
