@@ -8,7 +8,7 @@ permuted rows (GEMM1 without the activation). Timed under CUDA-graph
 replay; TFLOP/s (of the products) and the fraction of the H200's dense fp8
 peak. The launcher's choice (the warp-specialized Gluon kernels for 128-row
 tiles on Hopper, also with the activation quantized in groups of 128
-columns: GEMM1's fp8 output, GEMM2's group scales, "gluon-ws groups") runs
+columns: GEMM1's fp8 output, GEMM2's group scales, "gluon-wspec groups") runs
 beside the Triton kernel with the same tiles;
 ``--sweep`` also times each Triton tile config.
 
@@ -168,7 +168,7 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
             label = (
                 "x".join(map(str, astuple(config)))
                 if config
-                else ("gluon-ws groups" if quantized else "gluon-ws")
+                else ("gluon-wspec groups" if quantized else "gluon-wspec")
             )
             results.append(
                 Row(

@@ -54,7 +54,7 @@ def _time_config(
     packed: torch.Tensor,
     scales: torch.Tensor,
     w_deq: torch.Tensor,
-    ws: torch.Tensor,
+    locks: torch.Tensor,
     group_size: int,
     cfg: MarlinConfig | None,
 ) -> float:
@@ -66,7 +66,7 @@ def _time_config(
         a,
         packed,
         scales,
-        ws,
+        locks,
         group_size=group_size,
         size_n=n,
         size_k=k,
@@ -76,7 +76,7 @@ def _time_config(
     call()
     ref = a.float() @ w_deq.float().t()
     err = float((out.float() - ref).norm() / ref.norm())
-    locks = int(ws.abs().sum())
+    locks = int(locks.abs().sum())
     if err > 1e-2 or locks != 0:
         print(f"  CHECK M={m} N={n} K={k} {cfg}: err {err:.2e}, locks {locks}")
     if err > 5e-2 or locks != 0:
@@ -123,7 +123,7 @@ def main() -> None:
     copy_tbs = _copy_tbs(dev)
     print(f"copy: {copy_tbs:.2f} TB/s (read + write)")
 
-    ws = torch.zeros(marlin_workspace_numel(dev), dtype=torch.int32, device=dev)
+    locks = torch.zeros(marlin_workspace_numel(dev), dtype=torch.int32, device=dev)
     rows = []
     record: list[dict[str, object]] = []
     for shape in args.shapes.split(","):
@@ -136,7 +136,7 @@ def main() -> None:
         for m in (int(x) for x in args.ms.split(",")):
             a = torch.randn(m, k, device=dev, dtype=dtype)
             bf16_us = _bench(functools.partial(torch.matmul, a, w_deq.t()))
-            point = functools.partial(_time_config, a, packed, scales, w_deq, ws, g)
+            point = functools.partial(_time_config, a, packed, scales, w_deq, locks, g)
             default = default_config(m, n, k, dev)
             us = point(None)
             best_us, best = us, default

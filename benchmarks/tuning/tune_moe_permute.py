@@ -82,11 +82,11 @@ class Case:
         self.perm = torch.empty(self.R, dtype=torch.int32, device=DEV)
         self.offsets = torch.empty(self.n_local + 1, dtype=torch.int64, device=DEV)
         # Generous, so that every candidate sort block fits.
-        ws_numel = max(
+        sort_numel = max(
             mp_sort.sort_workspace_numel(self.R, self.n_local),
             triton.cdiv(self.R, 64) * mp_sort._num_count_columns(self.n_local),
         )
-        self.ws = torch.empty(ws_numel, dtype=torch.int32, device=DEV)
+        self.sort_workspace = torch.empty(sort_numel, dtype=torch.int32, device=DEV)
         self.out = torch.empty(self.R, hidden, dtype=dtype, device=DEV)
         self.out_scale = torch.empty(self.R, groups, device=DEV) if groups else None
         self.w = torch.rand(num_tokens, TOPK, device=DEV)
@@ -109,7 +109,7 @@ class Case:
             self.inv,
             self.perm,
             self.offsets,
-            self.ws,
+            self.sort_workspace,
         )
 
     def permute(self) -> None:
@@ -140,7 +140,7 @@ def check_case(case: Case, rows: bool) -> list[str]:
     case.inv.fill_(-7)
     case.perm.fill_(-7)
     case.offsets.fill_(-7)
-    case.ws.fill_(-7)
+    case.sort_workspace.fill_(-7)
     case.sort()
     ref_inv, ref_perm, ref_offsets = mp_ref.route_sort_reference(
         case.topk_ids, case.expert_map, case.E, case.n_local
@@ -202,7 +202,7 @@ def run_checks() -> None:
                     case.inv,
                     case.perm,
                     case.offsets,
-                    case.ws,
+                    case.sort_workspace,
                     block,
                 )
                 ref = mp_ref.route_sort_reference(
@@ -239,7 +239,7 @@ def copy_tbps() -> float:
 def count_only(case: Case, block: int) -> Callable[[], None]:
     """The first of the two sort launches alone."""
     return lambda: mp_sort._route_count_kernel[(triton.cdiv(case.R, block),)](
-        case.topk_ids, case.topk_ids, case.ws, case.R, case.E, case.n_local,
+        case.topk_ids, case.topk_ids, case.sort_workspace, case.R, case.E, case.n_local,
         HAS_MAP=False, BLOCK=block,
         NUM_BUCKETS=mp_sort._num_buckets_padded(case.n_local),
         NUM_COLS=mp_sort._num_count_columns(case.n_local), num_warps=4,
@@ -270,8 +270,8 @@ def sweep_sort() -> None:
 
             def blocked(c: Case = case, b: int = block, w: int = warps) -> None:
                 mp_sort._route_sort_blocked(
-                    c.topk_ids, None, c.E, c.n_local, c.inv, c.perm, c.offsets, c.ws,
-                    b, w,
+                    c.topk_ids, None, c.E, c.n_local, c.inv, c.perm, c.offsets,
+                    c.sort_workspace, b, w,
                 )  # fmt: skip
 
             line.append(f"b{block}w{warps}={graph_us(blocked, 50):.2f}")

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from vllm.v1.worker import workspace as ws
+from vllm.v1.worker import workspace as workspace_module
 from vllm.v1.worker.ubatching import (
     dbo_current_ubatch_id,
     run_ubatches,
@@ -368,7 +368,7 @@ def test_helpers_use_the_manager_when_there_is_one(device):
         (resource,) = manager.memory_report().slots[0].resources
         assert resource.key == (
             ("locks", str(manager.device)),
-            ws._stream_key(manager.device),
+            workspace_module._stream_key(manager.device),
         )
         assert get_shared_resource("k", object) is get_shared_resource("k", object)
         (view,) = get_workspace_buffers(device, ((64,), torch.float32))
@@ -459,14 +459,14 @@ def test_accounting_equals_real_storage(multi_slot):
 
 def test_debug_logging(workspace_init, monkeypatch, caplog):
     monkeypatch.setenv("VLLM_DEBUG_WORKSPACE", "1")
-    ws.logger.propagate = True
+    workspace_module.logger.propagate = True
     try:
-        with caplog.at_level("INFO", logger=ws.logger.name):
+        with caplog.at_level("INFO", logger=workspace_module.logger.name):
             workspace_init.get_simultaneous(((64,), torch.float32))
             workspace_init.get_persistent("t", (4,), torch.int32)
             workspace_init.lock()
     finally:
-        ws.logger.propagate = False
+        workspace_module.logger.propagate = False
     text = caplog.text
     assert "arena 0 -> 256 bytes" in text and "test_workspace.py:" in text
     assert "new tensor 't'" in text and "16 bytes" in text

@@ -64,7 +64,7 @@ def kernel_args(
 def compile_kernels() -> None:
     """fp8 with a bf16 and an fp8 output, and bf16 (run in a process of its
     own by the test below)."""
-    kernel = hopper_gated._grouped_gemm_gated_ws_kernel
+    kernel = hopper_gated._grouped_gemm_gated_warp_specialized_kernel
     gated, quantized = kernel_args(FP8_DTYPE)
     gated16, _ = kernel_args(torch.bfloat16)
     consts = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}

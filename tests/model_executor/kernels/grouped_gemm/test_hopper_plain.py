@@ -54,7 +54,7 @@ def kernel_args(operand: torch.dtype) -> dict[str, object]:
 def compile_kernels() -> None:
     """fp8 per-row and group-scaled, and bf16 (run in a process of its own
     by the test below)."""
-    kernel = hopper_plain._grouped_gemm_ws_kernel
+    kernel = hopper_plain._grouped_gemm_warp_specialized_kernel
     compile_for_sm90(
         [
             (kernel, kernel_args(FP8_DTYPE), {"GROUPED": False}),

@@ -62,30 +62,30 @@ def test_matches_reference(
 ) -> None:
     n, k, group_size = shape
     a, packed, scales, ref = _problem(m, n, k, group_size, dtype, device)
-    ws = _workspace(device)
+    locks = _workspace(device)
     out = _poisoned_out(m, n, dtype, device)
     res = marlin_gemm(
-        a, packed, scales, ws, group_size=group_size, size_n=n, size_k=k, out=out
+        a, packed, scales, locks, group_size=group_size, size_n=n, size_k=k, out=out
     )
     assert res is out
     # The interpreter rounds to bf16 by truncation, and split-K partials pass
     # through the output dtype: a few bf16 ulps.
     assert _rel_err(out, ref) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
-    assert int(ws.abs().sum()) == 0
+    assert int(locks.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_leaves_locks_zero(device: torch.device, split_k: int) -> None:
     m, n, k = 5, 128, 512
     a, packed, scales, ref = _problem(m, n, k, 128, torch.float16, device)
-    ws = _workspace(device)
+    locks = _workspace(device)
     cfg = MarlinConfig(16, 64, split_k, 4, 2)
     for _ in range(2):  # the second call relies on the first leaving zeros
         out = marlin_gemm(
-            a, packed, scales, ws, group_size=128, size_n=n, size_k=k, config=cfg
+            a, packed, scales, locks, group_size=128, size_n=n, size_k=k, config=cfg
         )
         assert _rel_err(out, ref) < 2e-3
-        assert int(ws.abs().sum()) == 0
+        assert int(locks.abs().sum()) == 0
 
 
 def test_poisoned_lock_stays_visible(device: torch.device) -> None:
@@ -98,52 +98,52 @@ def test_poisoned_lock_stays_visible(device: torch.device) -> None:
     """
     m, n, k = 3, 64, 256
     a, packed, scales, _ = _problem(m, n, k, 128, torch.float16, device)
-    ws = _workspace(device)
-    ws[0] = 1000
+    locks = _workspace(device)
+    locks[0] = 1000
     marlin_gemm(
         a,
         packed,
         scales,
-        ws,
+        locks,
         group_size=128,
         size_n=n,
         size_k=k,
         config=MarlinConfig(16, 64, 2, 4, 2),
     )
-    assert int(ws[0]) == 1000 and int(ws[1:].abs().sum()) == 0
+    assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
 
 
 def test_bad_inputs_raise(device: torch.device) -> None:
     m, n, k = 2, 64, 256
     a, packed, scales, _ = _problem(m, n, k, 128, torch.bfloat16, device)
-    ws = _workspace(device)
+    locks = _workspace(device)
     gemm = functools.partial(marlin_gemm, group_size=128, size_n=n, size_k=k)
     with pytest.raises(ValueError, match="a:"):
-        gemm(a.float(), packed, scales, ws)
+        gemm(a.float(), packed, scales, locks)
     with pytest.raises(ValueError, match="a:"):
-        gemm(a[:, :128], packed, scales, ws)
+        gemm(a[:, :128], packed, scales, locks)
     with pytest.raises(ValueError, match="size_k"):
         marlin_gemm(
-            a[:, :200], packed, scales, ws, group_size=128, size_n=n, size_k=200
+            a[:, :200], packed, scales, locks, group_size=128, size_n=n, size_k=200
         )
     with pytest.raises(ValueError, match="group_size"):
-        marlin_gemm(a, packed, scales, ws, group_size=96, size_n=n, size_k=k)
+        marlin_gemm(a, packed, scales, locks, group_size=96, size_n=n, size_k=k)
     with pytest.raises(ValueError, match="b_packed"):
-        gemm(a, packed.to(torch.int64), scales, ws)
+        gemm(a, packed.to(torch.int64), scales, locks)
     with pytest.raises(ValueError, match="b_packed"):
-        gemm(a, packed[:32], scales, ws)
+        gemm(a, packed[:32], scales, locks)
     with pytest.raises(ValueError, match="scales"):
-        gemm(a, packed, scales.half(), ws)
+        gemm(a, packed, scales.half(), locks)
     with pytest.raises(ValueError, match="scales"):
-        gemm(a, packed, scales[:1], ws)
+        gemm(a, packed, scales[:1], locks)
     with pytest.raises(ValueError, match="workspace"):
-        gemm(a, packed, scales, ws.to(torch.int64))
+        gemm(a, packed, scales, locks.to(torch.int64))
     with pytest.raises(ValueError, match="workspace"):
-        gemm(a, packed, scales, ws[:1])
+        gemm(a, packed, scales, locks[:1])
     with pytest.raises(ValueError, match="out"):
-        gemm(a, packed, scales, ws, out=torch.empty_like(a))
+        gemm(a, packed, scales, locks, out=torch.empty_like(a))
     with pytest.raises(ValueError, match="config"):
-        gemm(a, packed, scales, ws, config=MarlinConfig(16, 64, 3, 4, 2))
+        gemm(a, packed, scales, locks, config=MarlinConfig(16, 64, 3, 4, 2))
 
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096)]
@@ -157,13 +157,13 @@ def test_gpu_full_sizes(m: int, shape: tuple[int, int], group_size: int) -> None
     n, k = shape
     dev = torch.device("cuda")
     a, packed, scales, ref = _problem(m, n, k, group_size, torch.bfloat16, dev)
-    ws = _workspace(dev)
+    locks = _workspace(dev)
     out = _poisoned_out(m, n, torch.bfloat16, dev)
     marlin_gemm(
-        a, packed, scales, ws, group_size=group_size, size_n=n, size_k=k, out=out
+        a, packed, scales, locks, group_size=group_size, size_n=n, size_k=k, out=out
     )
     assert _rel_err(out, ref) < 1e-2
-    assert int(ws.abs().sum()) == 0
+    assert int(locks.abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -172,14 +172,14 @@ def test_gpu_poisoned_lock_gives_wrong_result() -> None:
     m, n, k = 1, 4096, 4096
     dev = torch.device("cuda")
     a, packed, scales, ref = _problem(m, n, k, 128, torch.bfloat16, dev)
-    ws = _workspace(dev)
+    locks = _workspace(dev)
     cfg = MarlinConfig(16, 128, 2, 4, 4)
-    ws[0] = 1
+    locks[0] = 1
     out = marlin_gemm(
-        a, packed, scales, ws, group_size=128, size_n=n, size_k=k, config=cfg
+        a, packed, scales, locks, group_size=128, size_n=n, size_k=k, config=cfg
     )
     assert _rel_err(out[:, :128], ref[:, :128]) > 0.1
-    assert int(ws[0]) == 1  # still dirty: the next call would go wrong too
+    assert int(locks[0]) == 1  # still dirty: the next call would go wrong too
     assert _rel_err(out[:, 128:], ref[:, 128:]) < 1e-2
 
 
@@ -188,22 +188,22 @@ def test_gpu_cuda_graph_replay() -> None:
     m, n, k = 16, 8192, 8192
     dev = torch.device("cuda")
     a, packed, scales, ref = _problem(m, n, k, 128, torch.bfloat16, dev)
-    ws = _workspace(dev)
+    locks = _workspace(dev)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     stream = torch.cuda.Stream()
     gemm = functools.partial(marlin_gemm, group_size=128, size_n=n, size_k=k, out=out)
     with torch.cuda.stream(stream):
-        gemm(a, packed, scales, ws)  # compile outside capture
+        gemm(a, packed, scales, locks)  # compile outside capture
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        gemm(a, packed, scales, ws)
+        gemm(a, packed, scales, locks)
     out.fill_(float("nan"))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
     assert _rel_err(out, ref) < 1e-2
-    assert int(ws.abs().sum()) == 0
+    assert int(locks.abs().sum()) == 0
 
 
 # -- grouped (MoE) GEMM ----------------------------------------------------------
@@ -277,7 +277,9 @@ def _check(
     a = torch.randn(rows, k, device=device).to(dtype)
     a[valid:] = float("nan")  # never read
     ref = _reference(a, packed, scales, counts, group_size)
-    ws = torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
+    locks = torch.zeros(
+        marlin_workspace_numel(device), dtype=torch.int32, device=device
+    )
     out = torch.full((rows, n), SENTINEL, dtype=dtype, device=device)
     for _ in range(calls):  # later calls rely on the earlier ones leaving zeros
         out[:valid] = float("nan")
@@ -286,7 +288,7 @@ def _check(
             packed,
             scales,
             offsets,
-            ws,
+            locks,
             group_size=group_size,
             size_n=n,
             size_k=k,
@@ -294,7 +296,7 @@ def _check(
             config=config,
         )
         assert res is out
-        assert int(ws.abs().sum()) == 0
+        assert int(locks.abs().sum()) == 0
         assert bool((out[valid:] == SENTINEL).all())  # never written
         if valid:
             # bf16 on the interpreter rounds by truncation, and split-K
@@ -352,29 +354,31 @@ def test_grouped_bad_inputs_raise(device: torch.device) -> None:
     packed, scales = _weights(experts, n, k, 128, torch.bfloat16, device)
     offsets = _offsets([1, 2], device)
     a = torch.randn(4, k, device=device).to(torch.bfloat16)
-    ws = torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
+    locks = torch.zeros(
+        marlin_workspace_numel(device), dtype=torch.int32, device=device
+    )
     gemm = functools.partial(marlin_gemm_grouped, group_size=128, size_n=n, size_k=k)
     with pytest.raises(ValueError, match="a:"):
-        gemm(a.float(), packed, scales, offsets, ws)
+        gemm(a.float(), packed, scales, offsets, locks)
     with pytest.raises(ValueError, match="b_packed"):
-        gemm(a, packed[0], scales, offsets, ws)
+        gemm(a, packed[0], scales, offsets, locks)
     with pytest.raises(ValueError, match="b_packed"):
-        gemm(a, packed[:, :32], scales, offsets, ws)
+        gemm(a, packed[:, :32], scales, offsets, locks)
     too_many = packed[:1].expand(MAX_GROUPED_EXPERTS + 1, -1, -1)
     with pytest.raises(ValueError, match="b_packed"):
-        gemm(a, too_many, scales, offsets, ws)
+        gemm(a, too_many, scales, offsets, locks)
     with pytest.raises(ValueError, match="scales"):
-        gemm(a, packed, scales[:1], offsets, ws)
+        gemm(a, packed, scales[:1], offsets, locks)
     with pytest.raises(ValueError, match="expert_first_token_offset"):
-        gemm(a, packed, scales, offsets.int(), ws)
+        gemm(a, packed, scales, offsets.int(), locks)
     with pytest.raises(ValueError, match="expert_first_token_offset"):
-        gemm(a, packed, scales, offsets[:2], ws)
+        gemm(a, packed, scales, offsets[:2], locks)
     with pytest.raises(ValueError, match="workspace"):
-        gemm(a, packed, scales, offsets, ws[:1])
+        gemm(a, packed, scales, offsets, locks[:1])
     with pytest.raises(ValueError, match="out"):
-        gemm(a, packed, scales, offsets, ws, out=torch.empty_like(a))
+        gemm(a, packed, scales, offsets, locks, out=torch.empty_like(a))
     with pytest.raises(ValueError, match="config"):
-        gemm(a, packed, scales, offsets, ws, config=MarlinConfig(16, 64, 16, 4, 2))
+        gemm(a, packed, scales, offsets, locks, config=MarlinConfig(16, 64, 16, 4, 2))
 
 
 # -- grouped GPU: model sizes ----------------------------------------------------
@@ -405,18 +409,18 @@ def test_gpu_grouped_cuda_graph_replay_with_new_offsets() -> None:
     packed, scales = _weights(experts, n, k, 128, torch.bfloat16, dev)
     a = torch.randn(rows, k, device=dev).to(torch.bfloat16)
     offsets = _offsets([rows // experts] * experts, dev)
-    ws = torch.zeros(marlin_workspace_numel(dev), dtype=torch.int32, device=dev)
+    locks = torch.zeros(marlin_workspace_numel(dev), dtype=torch.int32, device=dev)
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
     gemm = functools.partial(
         marlin_gemm_grouped, group_size=128, size_n=n, size_k=k, out=out
     )
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        gemm(a, packed, scales, offsets, ws)  # compile outside capture
+        gemm(a, packed, scales, offsets, locks)  # compile outside capture
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        gemm(a, packed, scales, offsets, ws)
+        gemm(a, packed, scales, offsets, locks)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         counts = _routed_counts(rows, experts, gen)
@@ -426,4 +430,4 @@ def test_gpu_grouped_cuda_graph_replay_with_new_offsets() -> None:
         torch.cuda.synchronize()
         ref = _reference(a, packed, scales, counts, 128)
         assert _rel_err(out, ref) < 1e-2
-        assert int(ws.abs().sum()) == 0
+        assert int(locks.abs().sum()) == 0

@@ -216,7 +216,7 @@ def _gated_consumer(
 
 
 @gluon.jit
-def _grouped_gemm_gated_ws_kernel(
+def _grouped_gemm_gated_warp_specialized_kernel(
     a_ptr,
     a_scale_ptr,
     src_routes_ptr,
@@ -312,7 +312,7 @@ def launch_gated(
     programs = persistent_programs(
         a.device, rows, num_experts, BLOCK_M.value, triton.cdiv(w_n, BLOCK_N.value)
     )
-    _grouped_gemm_gated_ws_kernel[(programs,)](
+    _grouped_gemm_gated_warp_specialized_kernel[(programs,)](
         a,
         out if a_scale is None else a_scale,  # scales are never read for 16 bits
         src_routes,

@@ -157,7 +157,7 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
 
 
 @gluon.jit
-def _grouped_gemm_ws_kernel(
+def _grouped_gemm_warp_specialized_kernel(
     a_desc,
     w_desc,
     a_scale_ptr,
@@ -238,7 +238,7 @@ def launch(
     programs = persistent_programs(
         a.device, a.shape[0], num_experts, BLOCK_M.value, triton.cdiv(n, BLOCK_N.value)
     )
-    _grouped_gemm_ws_kernel[(programs,)](
+    _grouped_gemm_warp_specialized_kernel[(programs,)](
         k_box(a, BLOCK_M.value),
         k_box(w.view(-1, k), BLOCK_N.value),
         out if a_scale is None else a_scale,  # scales are never read for 16 bits

@@ -118,7 +118,7 @@ def test_marlin_moe_cpu(
     seen = spy_workspaces(monkeypatch)
     check_moe(moe_config("cpu", topk, ep_size), tokens, "cpu", 2e-2)
     assert len(seen) == (2 if kernel else 0)
-    assert all(ws is get_marlin_workspace("cpu") for ws in seen)
+    assert all(locks is get_marlin_workspace("cpu") for locks in seen)
 
 
 def test_locks_from_manager_not_experts(

@@ -179,9 +179,9 @@ def test_workspace_per_slot(device):
             ptrs = []
             for lane in (0, 1):
                 with use_workspace_lane(lane):
-                    ws = get_marlin_workspace(device)
-                    assert get_marlin_workspace(device) is ws  # same stream
-                    ptrs.append(ws.data_ptr())
+                    locks = get_marlin_workspace(device)
+                    assert get_marlin_workspace(device) is locks  # same stream
+                    ptrs.append(locks.data_ptr())
             return ptrs
 
         ptrs = [p for ubatch in run_ubatches([lookup, lookup]) for p in ubatch]
