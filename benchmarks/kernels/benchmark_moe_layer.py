@@ -50,8 +50,8 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_gated,
+    moe_gemm_kernels,
     quantize_groups_reference,
-    takes_gluon_groups,
 )
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -250,7 +250,7 @@ def triton_fp8_gemms(
     act_q, act_scale = quantize_groups_reference(act.float())
     gemm1_scale: torch.Tensor | None
     gemm1_out, gemm1_scale = act_q, act_scale
-    if not takes_gluon_groups(a_q, experts.w13, act_q, experts.w2, down):
+    if not moe_gemm_kernels(a_q, experts.w13, act_q, experts.w2, down).group_scales:
         act_q, act_scale = per_token_quant_fp8(act)
         act_scale = act_scale.view(-1)
         gemm1_out, gemm1_scale = act, None

@@ -18,6 +18,7 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.grouped_gemm import (
     GroupedGemmConfig,
+    dispatch,
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_gated_reference,
@@ -27,7 +28,12 @@ from vllm.model_executor.kernels.grouped_gemm import (
     takes_gluon,
     takes_gluon_gated,
 )
-from vllm.model_executor.kernels.grouped_gemm.dispatch import hopper_supports
+from vllm.model_executor.kernels.grouped_gemm.dispatch import (
+    Kernel,
+    MoEGemmKernels,
+    hopper_supports,
+    moe_gemm_kernels,
+)
 
 
 def test_group_scales_need_the_hopper_kernel(device):
@@ -129,3 +135,37 @@ def test_gated_launcher_takes_it_and_matches_triton_bitwise():
     for _ in range(4):
         grouped_gemm_fp8_gated(*inputs, "silu", again)
         assert torch.equal(again, out)
+
+
+def test_a_callers_kernel_is_checked_not_rechosen(monkeypatch):
+    """An expert layer's choice runs as given where it can (here the Triton
+    kernel for a call dispatch would also give it) and is refused, naming
+    ``kernel``, where it cannot; group scales on an fp8 call whose default
+    tiles are 64 rows are refused even on Hopper (the rule before the
+    restructuring)."""
+    a, a_scale, w, w_scale, offsets = problem([2, 3], 32, 32, torch.device("cpu"))
+    out = torch.full((a.shape[0], 32), POISON, dtype=torch.bfloat16)
+    grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out, kernel=Kernel.TRITON)
+    ref = grouped_gemm_fp8_reference(a, a_scale, w, w_scale, offsets, out.clone())
+    torch.testing.assert_close(out, ref)
+    groups = torch.ones(a.shape[0], 1)
+    with pytest.raises(ValueError, match=r"kernel: Kernel\.TRITON does not take"):
+        grouped_gemm_fp8(a, groups, w, w_scale, offsets, out, kernel=Kernel.TRITON)
+    with pytest.raises(ValueError, match="a: expected a tensor on a Hopper GPU"):
+        grouped_gemm_fp8(a, a_scale, w, w_scale, offsets, out, kernel=Kernel.HOPPER)
+    monkeypatch.setattr(dispatch, "is_hopper", lambda device: True)
+    with pytest.raises(ValueError, match="tiles are 128 rows high"):
+        grouped_gemm_fp8(a, groups, w, w_scale, offsets, out)  # 5 rows, 64-row tiles
+
+
+def test_the_layer_decides_both_gemms_once():
+    """Off Hopper both GEMMs take the Triton kernels and per-row scales."""
+    a, _, w13, _, _ = problem([2, 3], 64, 32, torch.device("cpu"))
+    act = torch.empty(a.shape[0], 32, dtype=FP8_DTYPE)
+    w2 = torch.empty(2, 32, 32, dtype=FP8_DTYPE)
+    out = torch.empty(a.shape[0], 32, dtype=torch.bfloat16)
+    kernels = moe_gemm_kernels(a, w13, act, w2, out)
+    assert kernels == MoEGemmKernels(Kernel.TRITON, Kernel.TRITON)
+    assert not kernels.group_scales
+    assert MoEGemmKernels(Kernel.HOPPER, Kernel.HOPPER).group_scales
+    assert not MoEGemmKernels(Kernel.HOPPER, Kernel.TRITON).group_scales

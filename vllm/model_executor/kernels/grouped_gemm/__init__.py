@@ -23,11 +23,12 @@ from vllm.model_executor.kernels.grouped_gemm.api import (
 )
 from vllm.model_executor.kernels.grouped_gemm.dispatch import (
     GroupedGemmConfig,
+    MoEGemmKernels,
     default_config,
     default_gated_config,
+    moe_gemm_kernels,
     takes_gluon,
     takes_gluon_gated,
-    takes_gluon_groups,
 )
 from vllm.model_executor.kernels.grouped_gemm.layout import (
     act_groups,
@@ -44,6 +45,7 @@ from vllm.model_executor.kernels.grouped_gemm.reference import (
 
 __all__ = [
     "GroupedGemmConfig",
+    "MoEGemmKernels",
     "act_groups",
     "default_config",
     "default_gated_config",
@@ -57,8 +59,8 @@ __all__ = [
     "grouped_gemm_gated_reference",
     "grouped_gemm_reference",
     "interleave_gate_up",
+    "moe_gemm_kernels",
     "quantize_groups_reference",
     "takes_gluon",
     "takes_gluon_gated",
-    "takes_gluon_groups",
 ]

@@ -224,6 +224,7 @@ def grouped_gemm(
     a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
     config: GroupedGemmConfig | None = None,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """Writes the rows below ``expert_first_token_offset[-1]`` of ``out``
     [R, N] from ``a`` [R, K] and ``w`` [E, N, K]; returns ``out``.
@@ -235,7 +236,9 @@ def grouped_gemm(
     bf16 or fp16 ``a``, ``w`` and ``out`` share one dtype and take no scales.
 
     ``config`` runs the Triton kernel with those tiles (fp8, per-row scales
-    only); without it :mod:`.dispatch` picks the kernel and tiles."""
+    only); without it :mod:`.dispatch` picks the kernel and tiles. ``kernel``
+    is a caller's choice (an expert layer's :func:`~.dispatch.moe_gemm_kernels`),
+    checked to run the call and not made again."""
     spec = check_plain(a, w, expert_first_token_offset, out, a_scale, w_scale)
     if a.shape[0] == 0 or w.shape[0] == 0:  # no rows or no experts: nothing to write
         return out
@@ -246,7 +249,7 @@ def grouped_gemm(
         needs_hopper = f"{_names((a.dtype,))} operands"
     elif a_scale is not None and a_scale.dim() == 2:
         needs_hopper = "per-group a_scale"
-    kernel = plain_kernel(a, w, out, config, needs_hopper)
+    kernel = plain_kernel(a, w, out, config, needs_hopper, kernel)
     if kernel is Kernel.HOPPER:
         hopper_plain.launch(a, a_scale, w, w_scale, expert_first_token_offset, out)
         return out
@@ -269,6 +272,7 @@ def grouped_gemm_gated(
     w13_scale: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     config: GroupedGemmConfig | None = None,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """``out[r] = act(gate, up)`` where ``[gate | up]`` is the deinterleaved
     ``a[t] @ w13[e]^T`` (fp8: scaled), for each row ``r`` below
@@ -285,7 +289,7 @@ def grouped_gemm_gated(
     :func:`grouped_gemm` takes as ``a``, ``a_scale``). bf16 or fp16 ``a``,
     ``w13`` and ``out`` share one dtype and take no scales.
 
-    ``config`` as in :func:`grouped_gemm`."""
+    ``config`` and ``kernel`` as in :func:`grouped_gemm`."""
     spec = check_gated(
         a,
         src_routes,
@@ -309,7 +313,7 @@ def grouped_gemm_gated(
     if needs_hopper is not None:  # the Hopper kernel gathers by 16-byte copies
         check_tma_rows("a", a, GATHERED_K_MULTIPLE)
     check_tma_rows("w13", w13, GATHERED_K_MULTIPLE)
-    kernel = gated_kernel(a, w13, out, config, needs_hopper)
+    kernel = gated_kernel(a, w13, out, config, needs_hopper, kernel)
     if kernel is Kernel.HOPPER:
         hopper_gated.launch_gated(
             a,
@@ -349,6 +353,7 @@ def grouped_gemm_fp8(
     expert_first_token_offset: torch.Tensor,
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_gemm` on fp8 operands."""
     return grouped_gemm(
@@ -359,6 +364,7 @@ def grouped_gemm_fp8(
         a_scale=a_scale,
         w_scale=w_scale,
         config=config,
+        kernel=kernel,
     )
 
 
@@ -374,6 +380,7 @@ def grouped_gemm_fp8_gated(
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
     out_scale: torch.Tensor | None = None,
+    kernel: Kernel | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_gemm_gated` on fp8 operands."""
     return grouped_gemm_gated(
@@ -388,4 +395,5 @@ def grouped_gemm_fp8_gated(
         w13_scale=w13_scale,
         out_scale=out_scale,
         config=config,
+        kernel=kernel,
     )

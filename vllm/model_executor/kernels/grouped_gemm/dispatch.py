@@ -12,10 +12,11 @@ the Hopper kernel where its default tiles are 128 rows high, no explicit
 kernel can run takes it or is refused (:func:`plain_kernel`,
 :func:`gated_kernel`).
 
-An expert layer decides once, before GEMM1, whether both of its GEMMs take
-the Hopper kernels (:func:`takes_gluon_groups`), and if so hands GEMM1 an
-fp8 output with group scales and GEMM2 those scales: calls only the Hopper
-kernels take, so the launchers run them without deciding again.
+An expert layer decides once per call, before GEMM1, which kernel each of
+its GEMMs runs (:func:`moe_gemm_kernels`); where both take the Hopper
+kernels it hands GEMM1 an fp8 output with group scales and GEMM2 those
+scales. It passes its choice to the launchers (``kernel=``), which then only
+check that the chosen kernel can run the call.
 """
 
 from __future__ import annotations
@@ -115,17 +116,33 @@ def takes_gluon_gated(
     ) and hopper_supports_gated(a, out.shape[1], out)
 
 
-def takes_gluon_groups(
+@dataclass(frozen=True)
+class MoEGemmKernels:
+    """The kernels of an expert layer's two fp8 GEMMs for one call."""
+
+    gemm1: Kernel
+    gemm2: Kernel
+
+    @property
+    def group_scales(self) -> bool:
+        """Both run the Hopper kernels, so GEMM1 writes its activation in fp8
+        with per-group scales and GEMM2 reads them (no pass between)."""
+        return self.gemm1 is Kernel.HOPPER and self.gemm2 is Kernel.HOPPER
+
+
+def moe_gemm_kernels(
     a: torch.Tensor,
     w13: torch.Tensor,
-    act_q: torch.Tensor,
+    act: torch.Tensor,
     w2: torch.Tensor,
     out: torch.Tensor,
-) -> bool:
-    """Whether both GEMMs of an expert layer run the Hopper kernels here, so
-    that GEMM1 (tokens ``a``, ``w13``) can write its activation ``act_q``
-    (fp8 [R, I]) quantized in groups for GEMM2 (``w2``, into ``out``)."""
-    return takes_gluon_gated(a, w13, act_q) and takes_gluon(act_q, w2, out)
+) -> MoEGemmKernels:
+    """The layer's decision: GEMM1 (tokens ``a``, ``w13``, into ``act``
+    [R, I]) and GEMM2 (``act``, ``w2``, into ``out``) with per-row scales,
+    each on the Hopper kernel where it takes the call."""
+    gemm1 = Kernel.HOPPER if takes_gluon_gated(a, w13, act) else Kernel.TRITON
+    gemm2 = Kernel.HOPPER if takes_gluon(act, w2, out) else Kernel.TRITON
+    return MoEGemmKernels(gemm1, gemm2)
 
 
 def plain_kernel(
@@ -134,13 +151,22 @@ def plain_kernel(
     out: torch.Tensor,
     config: GroupedGemmConfig | None,
     needs_hopper: str | None,
+    kernel: Kernel | None,
 ) -> Kernel:
-    """The kernel for a checked plain call. ``needs_hopper`` says what of the
-    call only the Hopper kernel takes (e.g. "per-group a_scale"), or None;
-    such a call it cannot run here is refused, naming the argument."""
+    """The kernel for a checked plain call: ``kernel`` when the caller chose
+    it (checked to run the call), else the one :func:`takes_gluon` picks.
+    ``needs_hopper`` says what of the call only the Hopper kernel takes (e.g.
+    "per-group a_scale"), or None; such a call is refused, naming the
+    argument, where that kernel does not take it."""
+    n = w.shape[1]
+    if kernel is not None:
+        _check_choice(kernel, needs_hopper, a.device, n, out, config)
+        return kernel
     if needs_hopper is None:
         return Kernel.HOPPER if takes_gluon(a, w, out, config) else Kernel.TRITON
-    _require_hopper(needs_hopper, a.device, w.shape[1], out, config)
+    _require_hopper(needs_hopper, a.device, n, out, config)
+    if a.element_size() == 1 and not takes_gluon(a, w, out, config):
+        raise _triton_tiles(needs_hopper, default_config(a.shape[0], w.shape[0]))
     return Kernel.HOPPER
 
 
@@ -150,14 +176,45 @@ def gated_kernel(
     out: torch.Tensor,
     config: GroupedGemmConfig | None,
     needs_hopper: str | None,
+    kernel: Kernel | None,
 ) -> Kernel:
     """:func:`plain_kernel` for a checked gated call (token rows ``a`` that
     the Hopper kernel gathers checked by the caller)."""
+    inter = out.shape[1]
+    if kernel is not None:
+        _check_choice(kernel, needs_hopper, a.device, inter, out, config)
+        return kernel
     if needs_hopper is None:
         hopper = takes_gluon_gated(a, w13, out, config)
         return Kernel.HOPPER if hopper else Kernel.TRITON
-    _require_hopper(needs_hopper, a.device, out.shape[1], out, config)
+    _require_hopper(needs_hopper, a.device, inter, out, config)
+    if a.element_size() == 1 and not takes_gluon_gated(a, w13, out, config):
+        raise _triton_tiles(needs_hopper, default_gated_config(out.shape[0], len(w13)))
     return Kernel.HOPPER
+
+
+def _check_choice(
+    kernel: Kernel,
+    needs_hopper: str | None,
+    device: torch.device,
+    n: int,
+    out: torch.Tensor,
+    config: GroupedGemmConfig | None,
+) -> None:
+    """Refuse a caller's kernel that cannot run the call (never re-choose)."""
+    if kernel is Kernel.HOPPER:
+        _require_hopper(needs_hopper or "kernel=Kernel.HOPPER", device, n, out, config)
+    elif needs_hopper is not None:
+        raise ValueError(f"kernel: Kernel.TRITON does not take {needs_hopper}")
+
+
+def _triton_tiles(why: str, tiles: GroupedGemmConfig) -> ValueError:
+    # An fp8 call takes the Hopper kernel only where its default tiles are
+    # the Hopper kernel's 128 rows (takes_gluon); these are not.
+    return ValueError(
+        f"a: {why} needs the Hopper kernel, which takes fp8 calls whose default "
+        f"tiles are {BLOCK_M.value} rows high, but this call's are {tiles}"
+    )
 
 
 def _require_hopper(

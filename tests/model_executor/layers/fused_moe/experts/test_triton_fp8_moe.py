@@ -13,6 +13,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8_gated,
     grouped_gemm_fp8_reference,
 )
+from vllm.model_executor.kernels.grouped_gemm.dispatch import Kernel, MoEGemmKernels
 from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe
 
 
@@ -58,7 +59,8 @@ def test_triton_fp8_group_quantized_path_cpu(
         scales.append(a_scale.shape)
         return grouped_gemm_fp8_reference(a, a_scale, *args)
 
-    monkeypatch.setattr(triton_fp8_moe, "takes_gluon_groups", lambda *args: True)
+    hopper = MoEGemmKernels(Kernel.HOPPER, Kernel.HOPPER)
+    monkeypatch.setattr(triton_fp8_moe, "moe_gemm_kernels", lambda *args: hopper)
     monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8_reference", gemm2)
     torch.manual_seed(ep_size + topk)
     check_backend("triton_fp8", 64, topk, ep_size, "cpu", intermediate_size=208)
@@ -75,9 +77,9 @@ def test_triton_fp8_takes_the_group_path_on_hopper(
     GEMM2 gets group scales from GEMM1; the layer matches the reference."""
     scales = []
 
-    def gemm2(a, a_scale, *args):
+    def gemm2(a, a_scale, *args, **kwargs):
         scales.append(a_scale.shape)
-        return grouped_gemm_fp8(a, a_scale, *args)
+        return grouped_gemm_fp8(a, a_scale, *args, **kwargs)
 
     monkeypatch.setattr(triton_fp8_moe, "grouped_gemm_fp8", gemm2)
     torch.manual_seed(ep_size)

@@ -27,6 +27,9 @@ CPU tensors take the kernels' plain-PyTorch references.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
@@ -38,7 +41,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
-    takes_gluon_groups,
+    moe_gemm_kernels,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -112,9 +115,6 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        kernels = runs_gpu_kernels(hidden_states)
-        gated = grouped_gemm_fp8_gated if kernels else grouped_gemm_fp8_gated_reference
-        gemm = grouped_gemm_fp8 if kernels else grouped_gemm_fp8_reference
         gemm1_args = (
             a_q,
             a_scale,
@@ -130,11 +130,16 @@ class TritonExpertsFp8(Fp8ChannelExperts):
             workspace13, rows, inter, act_groups(inter), tokens_bytes
         )
         down = carve(workspace2, (rows, hidden), output.dtype)
-        # The layer's one kernel decision: where both GEMMs take the Hopper
-        # kernels, GEMM1 writes fp8 with group scales for GEMM2, calls only
-        # those kernels take, so the launchers run them without deciding
-        # again. Otherwise each launcher picks its kernel for per-row scales.
-        if takes_gluon_groups(a_q, self.w13, act_q, self.w2, down):
+        # The layer's one kernel decision, passed to the launchers.
+        kernels = moe_gemm_kernels(a_q, self.w13, act_q, self.w2, down)
+        gated: Callable[..., torch.Tensor]
+        gemm: Callable[..., torch.Tensor]
+        if runs_gpu_kernels(hidden_states):
+            gated = functools.partial(grouped_gemm_fp8_gated, kernel=kernels.gemm1)
+            gemm = functools.partial(grouped_gemm_fp8, kernel=kernels.gemm2)
+        else:
+            gated, gemm = grouped_gemm_fp8_gated_reference, grouped_gemm_fp8_reference
+        if kernels.group_scales:
             gated(*gemm1_args, act_q, out_scale=group_scale)
             gemm(act_q, group_scale, self.w2, self.w2_scale, offsets, down)
         else:
