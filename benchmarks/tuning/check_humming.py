@@ -19,7 +19,6 @@ import traceback
 
 import torch
 
-from tests.model_executor.layers.fused_moe.utils import torch_moe_reference
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -32,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.v1.worker.workspace import init_workspace_manager
 
 SCHEMES = [
@@ -101,8 +101,8 @@ def check_scheme(
         out = kernel.forward(x, weights, ids, expert_map)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        ref = torch_moe_reference(x, dw13, dw2, weights, ids, cpu_map)
-        ref_orig = torch_moe_reference(x, ow13, ow2, weights, ids, cpu_map)
+        ref = fused_moe_reference(x, dw13, dw2, weights, ids, cpu_map)
+        ref_orig = fused_moe_reference(x, ow13, ow2, weights, ids, cpu_map)
         out64 = out.cpu().double()
         denom = max(float(ref.norm()), 1e-30)
         err = float((out64 - ref).norm()) / denom

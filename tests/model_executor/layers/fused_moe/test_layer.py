@@ -20,7 +20,6 @@ from tests.model_executor.layers.fused_moe.utils import (
     moe_config,
     random_weights,
     relative_error,
-    torch_moe_reference,
 )
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -38,6 +37,7 @@ from vllm.model_executor.layers.fused_moe.layer import (
     choose_experts_backend,
     make_experts,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 from vllm.utils import named_tensors
 from vllm.v1.worker.ubatching import run_ubatches
@@ -269,7 +269,7 @@ def test_cuda_graph_replay_with_new_routing(workspace_init, backend):
         assert layer.kernel is not None
         w13, w2 = dequantized(layer.kernel.experts, layer.w13_weight, layer.w2_weight)
         weights, ids = fused_topk(hidden, logits, moe.experts_per_token, True)
-        ref = torch_moe_reference(hidden, w13, w2, weights, ids, None)
+        ref = fused_moe_reference(hidden, w13, w2, weights, ids, None)
         assert relative_error(out, ref) < TOLERANCE[backend]
 
 

@@ -18,7 +18,6 @@ from tests.model_executor.layers.fused_moe.utils import (
     moe_config,
     random_weights,
     relative_error,
-    torch_moe_reference,
 )
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
@@ -28,6 +27,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 
 
@@ -67,7 +67,7 @@ def test_swiglu_activation(workspace_init, device, backend):
     )
     out = kernel.forward(hidden, topk_weights, topk_ids)
     dq13, dq2 = dequantized(experts, w13, w2)
-    ref = torch_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, None, "swiglu")
+    ref = fused_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, None, "swiglu")
     assert relative_error(out, ref) < TOLERANCE[backend]
 
 

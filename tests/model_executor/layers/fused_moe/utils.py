@@ -5,7 +5,6 @@ from typing import Any
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -19,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 
 CUDA = torch.cuda.is_available()
@@ -85,7 +85,7 @@ def check_backend(backend, tokens, topk, ep_size, device, **dims):
     expert_map = moe.make_expert_map(device)
     out = kernel.forward(hidden, topk_weights, topk_ids, expert_map)
     dq13, dq2 = dequantized(experts, w13, w2)
-    ref = torch_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, expert_map)
+    ref = fused_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, expert_map)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
     assert not bool(out.isnan().any())
     if ep_size > 1 and bool((ref == 0).all()):
@@ -128,39 +128,3 @@ def load_random_weights(layer: FusedMoE, seed: int) -> None:
 
 
 RELOAD_SCHEMES = {**SCHEMES, "marlin": QuantScheme.W4A16_UINT4}
-
-
-def torch_moe_reference(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * W2[e] act(W13[e] x[t]) over local experts e.
-
-    ``w13`` [E_local, 2I, K] and ``w2`` [E_local, K, I] are dequantized weights;
-    routes to non-local or invalid experts contribute nothing.
-    """
-    x = hidden_states.double().cpu()
-    w13, w2 = w13.double().cpu(), w2.double().cpu()
-    ids = topk_ids.long().cpu()
-    weights = topk_weights.double().cpu()
-    num_experts = len(expert_map) if expert_map is not None else w13.shape[0]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    for e in range(num_experts):
-        local = e if expert_map is None else int(expert_map[e])
-        if local < 0:
-            continue
-        routed = ids == e  # [T, topk]
-        tokens = routed.any(dim=1)
-        if not bool(tokens.any()):
-            continue
-        gate_up = x[tokens] @ w13[local].t()
-        act = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float64)
-        apply_moe_activation(activation, act, gate_up)
-        weight = (weights * routed).sum(dim=1)[tokens]
-        out[tokens] += weight[:, None] * (act @ w2[local].t())
-    return out

@@ -181,4 +181,4 @@ def gated_act_reference(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=SWIGLU_LIMIT)
         up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
         return gate * torch.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
-    raise ValueError(f"activation: expected 'silu' or 'swiglu', got {activation!r}")
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")

@@ -21,7 +21,7 @@ from vllm.model_executor.kernels.common.fp8 import (
 def apply_moe_activation(
     activation: str, out: torch.Tensor, gate_up: torch.Tensor
 ) -> torch.Tensor:
-    """``out[R, I] = act(gate_up[:, :I], gate_up[:, I:])`` (see config.ACTIVATIONS)."""
+    """``out[R, I] = act(gate_up[:, :I], gate_up[:, I:])`` (see ``ACTIVATIONS``)."""
     if runs_gpu_kernels(gate_up):
         act_and_quant(gate_up, out, activation)
         return out

@@ -72,7 +72,7 @@ def choose_experts_backend(moe: FusedMoEConfig, device: torch.device) -> str:
     ``unsupported`` answers None; the reasons of those skipped go to the debug
     log (and into the error when none runs the layer)."""
     skipped: dict[str, str] = {}
-    for name in AUTO_ORDER["cpu" if device.type == "cpu" else "cuda"]:
+    for name in AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]:
         reason = EXPERTS_BACKENDS[name].unsupported(moe, device)
         if reason is None:
             if skipped:

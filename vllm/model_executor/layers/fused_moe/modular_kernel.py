@@ -125,7 +125,9 @@ class FusedMoEExperts(ABC):
     @classmethod
     def check_supported(cls, moe: FusedMoEConfig, device: torch.device) -> None:
         """Raise ``ValueError`` with :meth:`unsupported`'s reason, if any;
-        every constructor calls it, so no backend runs what it refuses."""
+        every way to build experts from weights (the constructor, or
+        :meth:`from_unquantized` where the constructor takes prepared kernel
+        objects) calls it, so no backend runs what it refuses."""
         reason = cls.unsupported(moe, device)
         if reason is not None:
             raise ValueError(reason)
@@ -237,7 +239,7 @@ class FusedMoEModularKernel:
         moe = self.experts.moe
         _check_inputs(moe, hidden_states, topk_weights, topk_ids)
         a1q, a1q_scale = self.prepare_finalize.prepare(hidden_states, moe.quant_config)
-        ws13_shape, ws2_shape, out_shape = self.experts.workspace_shapes(
+        shape13, shape2, out_shape = self.experts.workspace_shapes(
             hidden_states.shape[0],
             moe.w13_rows,
             moe.hidden_size,
@@ -245,9 +247,9 @@ class FusedMoEModularKernel:
             moe.num_experts,
             moe.num_local_experts,
         )
-        ws_dtype = self.experts.workspace_dtype(hidden_states.dtype)
+        dtype = self.experts.workspace_dtype(hidden_states.dtype)
         workspace13, workspace2 = get_workspace_buffers(
-            hidden_states.device, (ws13_shape, ws_dtype), (ws2_shape, ws_dtype)
+            hidden_states.device, (shape13, dtype), (shape2, dtype)
         )
         # The output outlives the workspace views (the next layer reuses them).
         output = torch.empty(

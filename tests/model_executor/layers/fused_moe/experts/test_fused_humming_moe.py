@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.model_executor.layers.fused_moe.utils import torch_moe_reference
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -34,6 +33,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     MoEPermuteScratch,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.v1.worker.workspace import WorkspaceManager, reset_workspace_manager
 
 NUM_EXPERTS, HIDDEN, INTER = 32, 2048, 768
@@ -118,7 +118,7 @@ def run_and_check(
     expert_map = moe.make_expert_map("cuda")
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     out = kernel.forward(hidden, weights, ids, expert_map)
-    ref = torch_moe_reference(
+    ref = fused_moe_reference(
         hidden,
         w13,
         w2,
@@ -343,7 +343,7 @@ def test_cuda_graph_after_lock(workspace_init: WorkspaceManager) -> None:
         weights.copy_(new_weights)
         graph.replay()
         torch.cuda.synchronize()
-        ref = torch_moe_reference(
+        ref = fused_moe_reference(
             hidden, w13, w2, weights, ids, expert_map.cpu(), moe.activation
         )
         error = (out.double().cpu() - ref).norm() / ref.norm()

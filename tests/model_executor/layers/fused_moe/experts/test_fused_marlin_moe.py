@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.model_executor.layers.fused_moe.utils import torch_moe_reference
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -26,6 +25,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.fused_moe.reference import fused_moe_reference
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     MARLIN_WORKSPACE_KEY,
@@ -94,7 +94,7 @@ def check_moe(moe: FusedMoEConfig, tokens: int, device, tolerance: float) -> Non
     expert_map = moe.make_expert_map(device)
     out = kernel.forward(hidden, topk_weights, topk_ids, expert_map)
     dq13, dq2 = experts.dequantized_weights()
-    ref = torch_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, expert_map)
+    ref = fused_moe_reference(hidden, dq13, dq2, topk_weights, topk_ids, expert_map)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
     assert not bool(out.isnan().any())
     if bool((ref == 0).all()):

@@ -345,9 +345,9 @@ class HummingGroupedExperts(FusedMoEExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows = M * topk
-        ws13 = max(self.gemm1.input_nbytes(rows), self.gemm2.input_nbytes(rows))
-        ws2 = rows * max(N, K) * self.moe.in_dtype.itemsize
-        return (ws13,), (ws2,), (M, K)
+        bytes13 = max(self.gemm1.input_nbytes(rows), self.gemm2.input_nbytes(rows))
+        bytes2 = rows * max(N, K) * self.moe.in_dtype.itemsize
+        return (bytes13,), (bytes2,), (M, K)
 
     def _locks(self, device: torch.device) -> torch.Tensor:
         """Stream-K semaphores of this (slot, stream); zero between calls."""
