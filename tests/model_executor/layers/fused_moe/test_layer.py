@@ -285,7 +285,7 @@ def test_bad_configs(device):
     with pytest.raises(ValueError, match="ep_size"):
         moe_config(device, ep_size=3)
     with pytest.raises(ValueError, match="in_dtype"):
-        FusedMoEConfig(8, 2, 128, 64, in_dtype=torch.float32)
+        FusedMoEConfig(8, 2, 128, 64, in_dtype=torch.float64)
     with pytest.raises(ValueError, match="activation"):
         FusedMoEConfig(8, 2, 128, 64, activation="gelu")
     moe = moe_config(device)

@@ -65,8 +65,12 @@ class FusedMoEConfig:
                 ">= 1",
                 (self.hidden_size, self.intermediate_size),
             )
-        if self.in_dtype not in (torch.bfloat16, torch.float16):
-            raise bad("in_dtype", "torch.bfloat16 or torch.float16", self.in_dtype)
+        if self.in_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise bad(
+                "in_dtype",
+                "torch.bfloat16, torch.float16 or torch.float32",
+                self.in_dtype,
+            )
         if self.activation not in ACTIVATIONS:
             raise bad("activation", f"one of {ACTIVATIONS}", self.activation)
         if self.ep_size < 1 or self.num_experts % self.ep_size:

@@ -101,6 +101,11 @@ class FusedMoEExperts(ABC):
     """
 
     supported_schemes: ClassVar[tuple[QuantScheme, ...]]
+    # Activation dtypes; float32 layers (CPU parity checks) take grouped_mm.
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.bfloat16,
+        torch.float16,
+    )
 
     def __init__(self, moe: FusedMoEConfig) -> None:
         self.moe = moe
@@ -119,6 +124,11 @@ class FusedMoEExperts(ABC):
                 f"moe.quant_config.scheme: {cls.__name__} runs "
                 f"{[s.value for s in cls.supported_schemes]}, got "
                 f"{moe.quant_config.scheme.value}"
+            )
+        if moe.in_dtype not in cls.supported_dtypes:
+            return (
+                f"moe.in_dtype: {cls.__name__} takes {list(cls.supported_dtypes)}, "
+                f"got {moe.in_dtype}"
             )
         return None
 

@@ -9,6 +9,8 @@ from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     grouped_mm,
     grouped_mm_ends,
 )
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.layer import choose_experts_backend
 
 
 def test_unsupported_names_what_it_cannot_run():
@@ -31,3 +33,13 @@ def test_cpu_loop_matches_per_expert_matmuls():
     out = grouped_mm(a, w, grouped_mm_ends(offsets), out_dtype=torch.float32)
     for e, (lo, hi) in enumerate([(0, 2), (2, 2), (2, 6)]):
         torch.testing.assert_close(out[lo:hi], a[lo:hi] @ w[e].t())
+
+
+def test_float32_layers_run_the_cpu_loop_only():
+    """fp32 layers (CPU parity checks against transformers) take grouped_mm on
+    the CPU; on CUDA every backend refuses them by name."""
+    moe = moe_config("cpu", in_dtype=torch.float32)
+    assert choose_experts_backend(moe, torch.device("cpu")) == "grouped_mm"
+    assert "got fp32" in str(GroupedMMExperts.unsupported(moe, torch.device("cuda")))
+    reason = TritonExperts.unsupported(moe, torch.device("cpu"))
+    assert reason is not None and reason.startswith("moe.in_dtype: TritonExperts")

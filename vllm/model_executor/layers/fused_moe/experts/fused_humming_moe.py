@@ -278,11 +278,6 @@ class HummingGroupedExperts(FusedMoEExperts):
             return reason
         scheme = moe.quant_config.scheme
         spec = _SCHEMES[scheme]
-        if moe.in_dtype not in _HUMMING_DTYPES:
-            return (
-                f"moe.in_dtype: expected one of {list(_HUMMING_DTYPES)}, got "
-                f"{moe.in_dtype}"
-            )
         if moe.activation not in _ACTIVATION_IMPLS:
             return (
                 f"moe.activation: HummingGroupedExperts supports "

@@ -82,11 +82,16 @@ class GroupedMMExperts(UnquantizedExperts):
         self.w13 = w13.contiguous()
         self.w2 = w2.contiguous()
 
+    # float32 runs the CPU loop only (torch._grouped_mm takes 16-bit operands).
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+
     @classmethod
     def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
         reason = super().unsupported(moe, device)
         if reason is not None or device.type != "cuda":
             return reason
+        if moe.in_dtype == torch.float32:
+            return "moe.in_dtype: torch._grouped_mm takes bf16/fp16 on CUDA, got fp32"
         if moe.hidden_size % 8 or moe.intermediate_size % 8:
             return (
                 "hidden_size/intermediate_size: torch._grouped_mm needs "
