@@ -1,0 +1,141 @@
+"""Qwen3-MoE against ``transformers`` on the same random checkpoint: logits
+(fp32, CPU) and greedy generation, plus the loader's errors."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from tests.model_executor.models.utils import save_tiny_model
+from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+_prefixes = (f"qwen3_moe_test_{i}." for i in itertools.count())
+PROMPTS = [[5, 17, 300, 2, 99, 41, 8], list(range(40, 73)), [7]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    return path, save_tiny_model(path)
+
+
+def load(
+    path, load_format="auto", dtype: str | torch.dtype = torch.float32
+) -> Qwen3MoeForCausalLM:
+    model = get_model(
+        path, load_format=load_format, dtype=dtype, prefix=next(_prefixes)
+    )
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    return model
+
+
+def our_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        tokens = torch.tensor(ids)
+        return model.compute_logits(model(tokens, torch.arange(len(ids)))).float()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_logits_match_transformers(checkpoint):
+    path, hf = checkpoint
+    model = load(path)
+    for ids in PROMPTS:
+        ours, theirs = our_logits(model, ids), hf_logits(hf, ids)
+        assert theirs.std() > 0.1  # a model whose logits say something
+        assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    """32 greedy tokens, token for token; a first difference is accepted only
+    where transformers' own top-2 logits are within fp32 noise (a tie)."""
+    path, hf = checkpoint
+    model = load(path)
+    for prompt in PROMPTS[:2]:
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False
+            )[0, len(prompt) :].tolist()
+        ids = list(prompt)
+        for step, want in enumerate(expected):
+            got = int(our_logits(model, ids)[-1].argmax())
+            if got != want:
+                top2 = hf_logits(hf, ids)[-1].topk(2).values
+                assert float(top2[0] - top2[1]) < 1e-4, (step, got, want)
+                break
+            ids.append(got)
+
+
+def test_tied_embeddings_and_sharded_checkpoint(tmp_path):
+    """A tied head (no lm_head tensor) from a checkpoint split over several
+    safetensors files with an index."""
+    hf = save_tiny_model(
+        tmp_path, seed=1, max_shard_size="200KB", tie_word_embeddings=True
+    )
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = PROMPTS[0]
+    assert (our_logits(model, ids) - hf_logits(hf, ids)).abs().max() <= 1e-4
+
+
+def test_hub_spellings_of_the_config(checkpoint, tmp_path):
+    """Hub configs say num_experts / rope_theta / torch_dtype where
+    transformers 5 writes num_local_experts / rope_parameters / dtype."""
+    path, hf = checkpoint
+    config = json.loads((path / "config.json").read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", 1e6)
+    for key in ("rope_parameters", "num_local_experts", "dtype"):
+        config.pop(key, None)
+    config |= {"num_experts": 16, "rope_theta": theta, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in path.glob("*.safetensors"):
+        (tmp_path / f.name).symlink_to(f)
+    ids = PROMPTS[0]
+    model = load(tmp_path, dtype="auto")  # the checkpoint's torch_dtype
+    assert model.lm_head.weight.dtype == torch.float32
+    assert (our_logits(model, ids) - hf_logits(hf, ids)).abs().max() <= 1e-4
+
+
+def test_bad_checkpoints_are_named(checkpoint, tmp_path):
+    path, _ = checkpoint
+    model = load(path)
+    weights = dict(safetensors_weights_iterator(path))
+    name = "model.layers.0.self_attn.q_norm.weight"
+    with pytest.raises(ValueError, match=f"missing \\['{name}'\\]"):
+        model.load_weights((n, t) for n, t in weights.items() if n != name)
+    with pytest.raises(
+        ValueError, match=f"'{name}' expected shape \\[32\\], got \\[31\\]"
+    ):
+        model.load_weights([(name, torch.zeros(31))])
+    with pytest.raises(ValueError, match=r"'model\.extra\.weight' is not a tensor"):
+        model.load_weights([("model.extra.weight", torch.zeros(1))])
+    fresh = type(model)(model.config, dtype=torch.float32, prefix=next(_prefixes))
+    expert = "model.layers.2.mlp.experts.3.up_proj.weight"
+    with pytest.raises(ValueError, match=r"experts: 1 expert shards were not"):
+        fresh.load_weights((n, t) for n, t in weights.items() if n != expert)
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps(config | {"architectures": ["MixtralForCausalLM"]})
+    )
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        get_model(tmp_path, load_format="dummy")
+    with pytest.raises(ValueError, match="load_format: expected one of"):
+        get_model(path, load_format="pt")
+
+
+def test_dummy_weights_have_the_checkpoints_shapes(checkpoint):
+    path, _ = checkpoint
+    model = load(path, load_format="dummy", dtype="bfloat16")
+    real = {n: t.shape for n, t in safetensors_weights_iterator(path)}
+    dummy = {n: torch.Size(s) for n, s, _ in model.checkpoint_shapes()}
+    assert dummy == real
+    logits = our_logits(model, PROMPTS[0])
+    assert logits.shape == (7, 320) and logits.isfinite().all()

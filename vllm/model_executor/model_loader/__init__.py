@@ -1,0 +1,79 @@
+"""Build a model from a local checkpoint directory.
+
+``get_model(model, load_format=...)`` reads ``config.json``, picks the class
+from its ``architectures`` (:mod:`vllm.model_executor.models.registry`),
+builds it on ``device`` and loads it: ``"safetensors"`` (``"auto"``) from the
+directory's safetensors files, ``"dummy"`` with random weights in place (real
+shapes without a checkpoint, for benchmarks; only ``config.json`` is read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+from vllm.model_executor.models.registry import CausalLM, resolve_model_cls
+from vllm.transformers_utils.config import load_hf_config
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
+    """``"auto"`` is the checkpoint's ``torch_dtype`` (bfloat16 when absent)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = (config_dtype or "bfloat16") if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(
+            f"dtype: expected 'auto' or one of {list(_DTYPES)}, got {dtype!r}"
+        )
+    return _DTYPES[name]
+
+
+def get_model(
+    model: str | Path,
+    *,
+    load_format: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    moe_backend: str = "auto",
+    seed: int = 0,
+    prefix: str = "",
+) -> nn.Module:
+    """The loaded model of checkpoint directory ``model``, in inference mode
+    (no gradients); ``seed`` draws the dummy weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}"
+        )
+    hf_config = load_hf_config(model)
+    cls = resolve_model_cls(hf_config.get("architectures") or [])
+    config = cls.config_class.from_hf(hf_config)
+    torch_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype"))
+    net = cls(
+        config, dtype=torch_dtype, device=device, moe_backend=moe_backend, prefix=prefix
+    )
+    if load_format == "dummy":
+        net.load_weights(_dummy_weights(net, seed))
+    else:
+        net.load_weights(safetensors_weights_iterator(model))
+    assert isinstance(net, nn.Module)
+    return net.eval()
+
+
+def _dummy_weights(net: CausalLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Small uniform values for every checkpoint tensor of ``net`` (as vLLM's
+    dummy format: shapes and dtypes real, values meaningless)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape, dtype in net.checkpoint_shapes():
+        yield name, (torch.rand(shape, generator=gen) * 2e-3 - 1e-3).to(dtype)

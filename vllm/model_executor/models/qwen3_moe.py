@@ -1,0 +1,324 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``) as ``transformers`` defines it.
+
+Decoder layers: RMSNorm -> attention (q/k/v projections, RMSNorm on each
+query and key head, RoPE, grouped-query heads) -> residual -> RMSNorm ->
+MoE (softmax over all experts, top-k, renormalized when ``norm_topk_prob``)
+or, for layers in ``mlp_only_layers`` or off ``decoder_sparse_step``, a dense
+gated MLP -> residual. The routed experts are a :class:`FusedMoE`, so every
+token runs through the workspace manager, the shared permute scratch and the
+experts backends. Checkpoint names are those of Hugging Face checkpoints
+(per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``, or the fused
+``mlp.experts.gate_up_proj`` / ``down_proj`` that ``transformers`` keeps in
+memory).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class Qwen3MoeModelConfig:
+    """The fields of a Qwen3-MoE ``config.json`` this model reads (defaults
+    as ``transformers.Qwen3MoeConfig``)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int  # dense layers
+    moe_intermediate_size: int  # per expert
+    num_experts: int
+    num_experts_per_tok: int
+    head_dim: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> Qwen3MoeModelConfig:
+        """From a normalized ``config.json`` (``load_hf_config``)."""
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"hidden_act: expected 'silu', got {config['hidden_act']!r}"
+            )
+        if config.get("attention_bias", False):
+            raise ValueError("attention_bias: expected false (Qwen3-MoE has none)")
+        values = {f.name: config[f.name] for f in fields(cls) if f.name in config}
+        values.setdefault(
+            "head_dim", config["hidden_size"] // config["num_attention_heads"]
+        )
+        values["mlp_only_layers"] = tuple(config.get("mlp_only_layers") or ())
+        try:
+            return cls(**values)
+        except TypeError as e:  # a required field is missing
+            raise ValueError(f"config.json: {e}") from None
+
+    def is_sparse(self, layer: int) -> bool:
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype, device: Any) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, config: Qwen3MoeModelConfig, dtype: torch.dtype, device: Any):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+        self.head_dim = d
+        self.q_proj = _linear(h, self.num_heads * d, dtype, device)
+        self.k_proj = _linear(h, self.num_kv_heads * d, dtype, device)
+        self.v_proj = _linear(h, self.num_kv_heads * d, dtype, device)
+        self.o_proj = _linear(self.num_heads * d, h, dtype, device)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(d, config.rope_theta)
+        self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_norm(self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(
+            self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        )
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen3MoeMLP(nn.Module):
+    """The dense layers' gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: Any):
+        super().__init__()
+        self.gate_proj = _linear(hidden, inter, dtype, device)
+        self.up_proj = _linear(hidden, inter, dtype, device)
+        self.down_proj = _linear(inter, hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        config: Qwen3MoeModelConfig,
+        prefix: str,
+        dtype: torch.dtype,
+        device: Any,
+        moe_backend: str,
+    ):
+        super().__init__()
+        self.gate = _linear(config.hidden_size, config.num_experts, dtype, device)
+        moe = FusedMoEConfig(
+            num_experts=config.num_experts,
+            experts_per_token=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            in_dtype=dtype,
+        )
+        self.experts = FusedMoE(
+            moe,
+            prefix=f"{prefix}.experts",
+            renormalize=config.norm_topk_prob,
+            backend=moe_backend,
+            device=device,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Qwen3MoeModelConfig,
+        layer: int,
+        prefix: str,
+        dtype: torch.dtype,
+        device: Any,
+        moe_backend: str,
+    ):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Qwen3MoeAttention(config, dtype, device)
+        self.mlp: nn.Module = (
+            Qwen3MoeSparseMoeBlock(config, f"{prefix}.mlp", dtype, device, moe_backend)
+            if config.is_sparse(layer)
+            else Qwen3MoeMLP(h, config.intermediate_size, dtype, device)
+        )
+        self.input_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(
+        self,
+        config: Qwen3MoeModelConfig,
+        prefix: str,
+        dtype: torch.dtype,
+        device: Any,
+        moe_backend: str,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(
+                config, i, f"{prefix}.layers.{i}", dtype, device, moe_backend
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SHARDS = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]`` for one
+    sequence; :meth:`compute_logits` maps hidden states to the vocabulary.
+
+    ``prefix`` names the FusedMoE layers (unique per process while a model
+    lives: several models in one process need distinct prefixes)."""
+
+    config_class = Qwen3MoeModelConfig
+
+    def __init__(
+        self,
+        config: Qwen3MoeModelConfig,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        moe_backend: str = "auto",
+        prefix: str = "",
+    ):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3MoeModel(config, f"{prefix}model", dtype, device, moe_backend)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def moe_layers(self) -> list[FusedMoE]:
+        return [m for m in self.modules() if isinstance(m, FusedMoE)]
+
+    def _dense_params(self) -> dict[str, nn.Parameter]:
+        """Parameters a checkpoint names directly (the experts' are loaded
+        through their FusedMoE; a tied head is the embedding)."""
+        experts = {name for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+        return {
+            name: p
+            for name, p in self.named_parameters()
+            if name.rsplit(".", 1)[0] not in experts
+        }
+
+    def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Name, shape and dtype of every tensor of a checkpoint of this
+        model, experts as per-expert tensors."""
+        for name, param in self._dense_params().items():
+            yield name, tuple(param.shape), param.dtype
+        for name, layer in self.named_modules():
+            if isinstance(layer, FusedMoE):
+                moe = layer.moe
+                h, i = moe.hidden_size, moe.intermediate_size
+                for e in range(moe.num_experts):
+                    for shard, shape in (
+                        ("gate", (i, h)),
+                        ("up", (i, h)),
+                        ("down", (h, i)),
+                    ):
+                        yield f"{name}.{e}.{shard}_proj.weight", shape, moe.in_dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by their Hugging Face names, then prepare
+        the experts. Every parameter must be given once with its shape; an
+        unknown, missing or mis-shaped tensor is an error naming it."""
+        params = self._dense_params()
+        experts = {
+            name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)
+        }
+        missing = set(params)
+        fused: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            if (m := _EXPERT.match(name)) and m.group(1) in experts:
+                experts[m.group(1)].weight_loader(
+                    tensor, _SHARDS[m.group(3)], int(m.group(2))
+                )
+                continue
+            if (m := _FUSED_EXPERTS.match(name)) and m.group(1) in experts:
+                fused.setdefault(m.group(1), {})[m.group(2)] = tensor
+                continue
+            if name not in params:
+                raise ValueError(f"weights: {name!r} is not a tensor of this model")
+            param = params[name]
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"weights: {name!r} expected shape {list(param.shape)}, got "
+                    f"{list(tensor.shape)}"
+                )
+            param.data.copy_(tensor)
+            missing.discard(name)
+        for prefix, parts in fused.items():
+            if parts.keys() != {"gate_up_proj", "down_proj"}:
+                raise ValueError(
+                    f"weights: {prefix} needs both gate_up_proj and down_proj"
+                )
+            experts[prefix].stacked_weight_loader(
+                parts["gate_up_proj"], parts["down_proj"]
+            )
+        if missing:
+            raise ValueError(f"weights: missing {sorted(missing)}")
+        for layer in experts.values():
+            layer.process_weights_after_loading()  # names unloaded expert shards
