@@ -8,9 +8,13 @@ import pytest
 import torch
 
 from tests.model_executor.models.utils import save_tiny_model
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention import bind_kv_cache
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
+from vllm.v1.core.block_pool import BlockPool
 
 _prefixes = (f"qwen3_moe_test_{i}." for i in itertools.count())
 PROMPTS = [[5, 17, 300, 2, 99, 41, 8], list(range(40, 73)), [7]]
@@ -139,3 +143,63 @@ def test_dummy_weights_have_the_checkpoints_shapes(checkpoint):
     assert dummy == real
     logits = our_logits(model, PROMPTS[0])
     assert logits.shape == (7, 320) and logits.isfinite().all()
+
+
+def test_paged_steps_equal_full_recompute(checkpoint):
+    """Chunked prefill and decode through the KV cache, two requests in one
+    batch, give the logits of recomputing each whole sequence."""
+    path, _ = checkpoint
+    model = load(path)
+    pool = BlockPool(num_blocks=8, block_size=16)
+    bind_kv_cache(model, pool.num_blocks, pool.block_size)
+    seqs = {"a": PROMPTS[1][:20], "b": PROMPTS[0]}
+    for r, ids in seqs.items():
+        pool.allocate(r, len(ids) + 2)
+    # Step 1: a's first 12 tokens. Step 2: a's last 8 and all of b.
+    # Steps 3-4: one decode token each (the argmax of the step before).
+    steps = [[("a", 0, 12)], [("a", 12, 20), ("b", 0, 7)]]
+    for step in range(4):
+        chunks = (
+            steps[step]
+            if step < 2
+            else [(r, len(seq) - 1, len(seq)) for r, seq in seqs.items()]
+        )
+        token_ids = torch.tensor([t for r, s, e in chunks for t in seqs[r][s:e]])
+        positions = torch.cat([torch.arange(s, e) for _, s, e in chunks])
+        meta = PagedAttentionMetadata.build(pool, chunks, "cpu")
+        with torch.no_grad(), set_forward_context(meta):
+            logits = model.compute_logits(model(token_ids, positions))
+        ends = torch.tensor(meta.query_lens).cumsum(0) - 1
+        for (r, _, e), last in zip(chunks, logits[ends], strict=True):
+            if e == len(seqs[r]):  # the request's whole sequence is cached
+                full = our_logits(model, seqs[r])[-1]
+                torch.testing.assert_close(last, full, rtol=0, atol=1e-4)
+                if step >= 1:
+                    seqs[r] = [*seqs[r], int(last.argmax())]
+
+
+@pytest.mark.gpu
+def test_bf16_on_the_gpu_stays_near_transformers(checkpoint):
+    """bf16 on CUDA (our experts backend, e.g. the Hopper GEMMs) against
+    transformers in bf16 on the same GPU: relative error of the logits
+    under 5% per prompt (bf16 rounding through 4 layers; a near-tied route
+    may flip) and the same greedy next token where transformers' top-2 gap
+    is clear."""
+    path, hf = checkpoint
+    model = get_model(path, dtype="bfloat16", device="cuda", prefix=next(_prefixes))
+    hf_bf16 = type(hf)(hf.config).to(device="cuda", dtype=torch.bfloat16).eval()
+    hf_bf16.load_state_dict(hf.state_dict())
+    for ids in PROMPTS:
+        with torch.no_grad():
+            tokens = torch.tensor(ids, device="cuda")
+            ours = model.compute_logits(
+                model(tokens, torch.arange(len(ids), device="cuda"))
+            )
+            theirs = hf_bf16(tokens[None]).logits[0]
+        ours, theirs = ours.float().cpu(), theirs.float().cpu()
+        error = float((ours - theirs).norm() / theirs.norm())
+        print(f"bf16 logits relative error, {len(ids)} tokens: {error:.4f}")
+        assert error < 0.05
+        top2 = theirs[-1].topk(2)
+        if float(top2.values[0] - top2.values[1]) > 0.1:
+            assert int(ours[-1].argmax()) == int(top2.indices[0])

@@ -1,15 +1,19 @@
-"""Causal self-attention of one sequence, in plain PyTorch.
+"""The attention layer of the models.
 
-The model's attention for a prefill of one sequence (all ``T`` tokens attend
-to those before them), with grouped-query heads. It is the CPU path and the
-oracle; the paged KV cache and its GPU backends come with the engine and take
-the same ``forward(q, k, v)``.
+In a batched step (:func:`vllm.forward_context.set_forward_context` with
+paged-attention metadata) it stores the step's keys and values in its KV
+cache, bound with :func:`bind_kv_cache`, and attends per request. Called
+outside such a step it runs one sequence without a cache (all ``T`` tokens
+attend to those before them): a model's plain forward, e.g. for checks.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vllm.forward_context import current_attn_metadata
+from vllm.v1.attention.backends.torch_paged import attend, paged_attention
 
 
 class Attention(nn.Module):
@@ -24,20 +28,32 @@ class Attention(nn.Module):
             )
         self.num_heads, self.head_size = num_heads, head_size
         self.num_kv_heads, self.scale = num_kv_heads, scale
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """``q`` [T, heads, head_size], ``k``/``v`` [T, kv_heads, head_size]
-        -> [T, heads * head_size]. Scores in the activations' dtype, softmax
-        in fp32 (as ``transformers``' eager attention)."""
-        tokens = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
-        future = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.einsum("hqk,khd->qhd", probs, v)
-        return out.reshape(tokens, self.num_heads * self.head_size)
+        -> [T, heads * head_size]."""
+        meta = current_attn_metadata()
+        if meta is None:
+            return attend(q, k, v, self.scale, 0)
+        if self.kv_cache is None:
+            raise RuntimeError("attention: a batched step needs a bound KV cache")
+        return paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+
+
+def bind_kv_cache(
+    model: nn.Module, num_blocks: int, block_size: int
+) -> list[torch.Tensor]:
+    """Give every attention layer of ``model`` its cache, [2, num_blocks,
+    block_size, kv_heads, head_size] in the model's dtype and device
+    (zeroed: unwritten slots are never read, but stay finite)."""
+    caches = []
+    param = next(model.parameters())
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            caches.append(layer.kv_cache)
+    return caches
