@@ -27,10 +27,14 @@ def checkpoint(tmp_path_factory):
 
 
 def load(
-    path, load_format="auto", dtype: str | torch.dtype = torch.float32
+    path, load_format="auto", dtype: str | torch.dtype = torch.float32, device="cpu"
 ) -> Qwen3MoeForCausalLM:
     model = get_model(
-        path, load_format=load_format, dtype=dtype, prefix=next(_prefixes)
+        path,
+        load_format=load_format,
+        dtype=dtype,
+        device=device,
+        prefix=next(_prefixes),
     )
     assert isinstance(model, Qwen3MoeForCausalLM)
     return model
@@ -186,7 +190,7 @@ def test_bf16_on_the_gpu_stays_near_transformers(checkpoint):
     may flip) and the same greedy next token where transformers' top-2 gap
     is clear."""
     path, hf = checkpoint
-    model = get_model(path, dtype="bfloat16", device="cuda", prefix=next(_prefixes))
+    model = load(path, dtype="bfloat16", device="cuda")
     hf_bf16 = type(hf)(hf.config).to(device="cuda", dtype=torch.bfloat16).eval()
     hf_bf16.load_state_dict(hf.state_dict())
     for ids in PROMPTS:
