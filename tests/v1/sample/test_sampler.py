@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.sampler import filtered_probs, sample
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = logits.expand(n, -1)
+    return [t.token_id for t in sample(rows, [params] * n, [gen] * n)]
+
+
+def test_greedy_is_the_argmax_with_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=2)] * 3, [None] * 3)
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, token in zip(reference, out, strict=True):
+        assert token.token_id == int(row.argmax())
+        assert token.logprob == pytest.approx(float(row.max()))
+        assert list(token.top_logprobs) == row.topk(2).indices.tolist()
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 100)
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def run(batch: torch.Tensor, where: int) -> int:
+        gens: list[torch.Generator | None] = [None] * batch.shape[0]
+        gens[where] = torch.Generator().manual_seed(7)
+        return sample(batch, [params] * batch.shape[0], gens)[where].token_id
+
+    alone = [run(logits[:1], 0) for _ in range(3)]
+    assert len(set(alone)) == 1
+    assert run(torch.cat([logits[1:], logits[:1]]), 1) == alone[0]
+
+
+def test_filters_keep_exactly_the_reference_sets():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+
+    def kept(**kw) -> set[int]:
+        probs = filtered_probs(logits, SamplingParams(**kw))
+        return set(probs.nonzero().flatten().tolist())
+
+    assert kept(top_k=2) == {0, 1}
+    assert kept(top_p=0.69) == {0, 1}  # 0.4 + 0.3 reaches it
+    assert kept(top_p=0.71) == {0, 1, 2}
+    assert kept(min_p=0.3) == {0, 1, 2}  # >= 0.3 * 0.4
+    assert kept(top_k=3, top_p=0.5) == {0, 1}
+    probs = filtered_probs(logits, SamplingParams(top_k=2))
+    torch.testing.assert_close(probs[:2], torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_samples_follow_the_filtered_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    tokens = torch.tensor(draws(logits[None], SamplingParams(top_p=0.8), 4000))
+    assert set(tokens.tolist()) <= {0, 1}
+    share = float((tokens == 0).float().mean())
+    assert share == pytest.approx(0.5 / 0.8, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("logprobs", -1),
+        ("stop", [""]),
+    ],
+)
+def test_bad_values_are_named(field, value):
+    with pytest.raises(ValueError, match=f"{field}: expected"):
+        SamplingParams(**{field: value})
+
+
+def test_one_params_per_row():
+    with pytest.raises(ValueError, match="params/generators: expected 2"):
+        sample(torch.zeros(2, 4), [SamplingParams()], [None])

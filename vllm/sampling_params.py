@@ -1,0 +1,52 @@
+"""How one request's tokens are chosen and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """``temperature`` 0 is greedy. ``top_k`` 0 and ``top_p`` 1 keep every
+    token; ``min_p`` drops tokens below that fraction of the most likely
+    one's probability. ``seed`` makes a request's samples reproducible
+    whatever else is in the batch. ``logprobs`` asks for that many most
+    likely tokens' log-probabilities (of the model's distribution, before
+    temperature and filters) besides the sampled one's. A request stops
+    after ``max_tokens``, at a token of ``stop_token_ids`` (or the model's
+    EOS unless ``ignore_eos``; both kept in the output), or when its text
+    ends in a string of ``stop`` (cut off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", self.temperature >= 0, ">= 0", self.temperature),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]", self.top_p),
+            ("top_k", self.top_k >= 0, ">= 0 (0: all tokens)", self.top_k),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]", self.min_p),
+            ("max_tokens", self.max_tokens >= 1, ">= 1", self.max_tokens),
+            (
+                "logprobs",
+                self.logprobs is None or self.logprobs >= 0,
+                "None or >= 0",
+                self.logprobs,
+            ),
+            ("stop", all(self.stop), "non-empty strings", self.stop),
+        )
+        for name, ok, expected, got in checks:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
