@@ -1,0 +1,119 @@
+"""The engine on a tiny random Qwen3-MoE (fp32, CPU): continuous batching,
+chunked prefill and preemption by recompute give every request the tokens
+it gets alone, and after the lock no step asks the workspace for memory."""
+
+import itertools
+
+import pytest
+import torch
+
+from tests.model_executor.models.utils import save_tiny_model
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.request import Request
+from vllm.v1.worker.workspace import current_workspace_manager, reset_workspace_manager
+
+_prefixes = (f"engine_test_{i}." for i in itertools.count())
+_gen = torch.Generator().manual_seed(0)
+PROMPTS = [
+    torch.randint(0, 320, (int(n),), generator=_gen).tolist()
+    for n in torch.randint(1, 41, (16,), generator=_gen)
+]
+MAX_TOKENS = [1 + i % 10 for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe_engine")
+    save_tiny_model(path)
+    return path
+
+
+@pytest.fixture
+def engine_factory(checkpoint):
+    def make(**kwargs) -> EngineCore:
+        reset_workspace_manager()
+        args = {"max_model_len": 64, "max_num_seqs": 16} | kwargs
+        return EngineCore(
+            EngineConfig(
+                checkpoint,
+                dtype="float32",
+                device="cpu",
+                prefix=next(_prefixes),
+                **args,
+            )
+        )
+
+    yield make
+    reset_workspace_manager()
+
+
+def run(engine: EngineCore, indices: list[int]) -> dict[int, Request]:
+    requests = {
+        i: Request(
+            f"r{i}",
+            PROMPTS[i],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i]),
+        )
+        for i in indices
+    }
+    for request in requests.values():
+        engine.add_request(request)
+    finished: list[Request] = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert sorted(r.request_id for r in finished) == sorted(f"r{i}" for i in indices)
+    return requests
+
+
+def outputs(requests: dict[int, Request]) -> dict[int, list[int]]:
+    return {i: r.output_token_ids for i, r in requests.items()}
+
+
+def test_batching_chunking_and_preemption_change_no_token(engine_factory):
+    alone_engine = engine_factory(max_num_batched_tokens=64)
+    alone = {i: outputs(run(alone_engine, [i]))[i] for i in range(16)}
+    assert all(len(alone[i]) == MAX_TOKENS[i] for i in range(16))
+    together = run(engine_factory(max_num_batched_tokens=64), list(range(16)))
+    assert outputs(together) == alone
+    chunked = run(engine_factory(max_num_batched_tokens=8), list(range(16)))
+    assert outputs(chunked) == alone
+    # 6 blocks of 16 tokens for 16 requests of up to 50 tokens: preemption.
+    tiny = run(
+        engine_factory(max_num_batched_tokens=32, num_kv_blocks=6), list(range(16))
+    )
+    assert sum(r.num_preemptions for r in tiny.values()) > 0
+    assert outputs(tiny) == alone
+    assert all(r.finish_reason == "length" for r in tiny.values())
+
+
+def test_after_the_lock_nothing_grows(engine_factory):
+    engine = engine_factory(max_num_batched_tokens=48)
+    manager = current_workspace_manager()
+    assert manager.is_locked()
+    before = manager.memory_report()
+    run(engine, list(range(16)))
+    after = manager.memory_report()
+    assert after.total_bytes == before.total_bytes
+    assert len(after.resources_of_type("MoEPermuteScratch")) == 1
+
+
+def test_bad_requests_are_refused_and_others_served(engine_factory):
+    engine = engine_factory(max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="exceed max_model_len=64"):
+        engine.add_request(Request("long", [1] * 60, SamplingParams(max_tokens=8)))
+    with pytest.raises(ValueError, match="prompt: expected at least one token"):
+        engine.add_request(Request("empty", [], SamplingParams()))
+    served = run(engine, [0, 1])
+    assert [len(served[i].output_token_ids) for i in (0, 1)] == MAX_TOKENS[:2]
+
+
+def test_abort_frees_blocks_at_once(engine_factory):
+    engine = engine_factory(max_num_batched_tokens=64)
+    free = engine.pool.num_free_blocks
+    engine.add_request(Request("a", PROMPTS[3], SamplingParams(max_tokens=10)))
+    engine.step()
+    assert engine.pool.num_free_blocks < free
+    engine.finish_request("a")
+    assert engine.pool.num_free_blocks == free
+    assert not engine.has_unfinished_requests()

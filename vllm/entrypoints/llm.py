@@ -1,0 +1,132 @@
+"""``LLM``: offline generation over the engine.
+
+``LLM(model_dir, ...)`` builds an :class:`~vllm.v1.engine.core.EngineCore`
+(workspace manager, model, profile run, KV cache, lock) and a tokenizer
+from the checkpoint directory when it has one. ``generate`` adds every
+prompt as a request, steps the engine until all finish (continuous
+batching: requests join and leave every step) and returns one
+:class:`RequestOutput` per prompt, in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, cast
+
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.request import Request
+
+_engine_ids = itertools.count()
+
+
+def _load_tokenizer(model: str | Path) -> Any:
+    root = Path(model)
+    if not any(
+        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(root))
+
+
+class LLM:
+    def __init__(self, model: str | Path, **engine_args: Any) -> None:
+        prefix = f"llm{next(_engine_ids)}."  # layer names unique per engine
+        self.engine = EngineCore(EngineConfig(model, prefix=prefix, **engine_args))
+        self.tokenizer = _load_tokenizer(model)
+        self._request_ids = itertools.count()
+
+    def _eos(self) -> int | None:
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+    def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompts[{index}]: a text prompt needs a tokenizer in the "
+                    f"checkpoint directory; give token ids"
+                )
+            return list(self.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Texts or token-id lists; one params for all or one per prompt.
+        Every prompt is checked before any runs (a bad one raises
+        ``ValueError`` naming its index)."""
+        batch: list[str | list[int]]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            batch = [cast(str | list[int], prompts)]  # one prompt
+        else:
+            batch = list(prompts)
+        params = sampling_params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(batch)
+        if len(per_prompt) != len(batch):
+            raise ValueError(
+                f"sampling_params: expected one per prompt ({len(batch)}), got "
+                f"{len(per_prompt)}"
+            )
+        requests: list[Request] = []
+        for i, (prompt, p) in enumerate(zip(batch, per_prompt, strict=True)):
+            ids = self._prompt_ids(prompt, i)
+            request = Request(str(next(self._request_ids)), ids, p, self._eos())
+            try:
+                self.engine.add_request(request)
+            except ValueError as e:
+                for earlier in requests:
+                    self.engine.finish_request(earlier.request_id)
+                raise ValueError(f"prompts[{i}]: {e}") from None
+            requests.append(request)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            self._check_stop_strings(requests)
+        return [
+            self._output(r, p if isinstance(p, str) else None)
+            for r, p in zip(requests, batch, strict=True)
+        ]
+
+    def _check_stop_strings(self, requests: list[Request]) -> None:
+        if self.tokenizer is None:
+            return
+        for request in requests:
+            stops = request.sampling_params.stop
+            if stops and request.finish_reason is None:
+                text = self.tokenizer.decode(request.output_token_ids)
+                if any(s in text for s in stops):
+                    self.engine.finish_request(request.request_id, "stop")
+
+    def _text(self, request: Request) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        cut = [text.index(s) for s in request.sampling_params.stop if s in text]
+        return text[: min(cut)] if cut else text
+
+    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [
+                {tok: lp, **top}
+                for tok, lp, top in zip(
+                    request.output_token_ids,
+                    request.output_logprobs,
+                    request.top_logprobs,
+                    strict=True,
+                )
+            ]
+        completion = CompletionOutput(
+            self._text(request),
+            request.output_token_ids,
+            request.finish_reason,
+            logprobs,
+        )
+        return RequestOutput(
+            request.request_id, prompt, request.prompt_token_ids, [completion]
+        )

@@ -1,0 +1,22 @@
+"""What ``LLM.generate`` returns per prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    text: str | None  # None without a tokenizer
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    logprobs: list[dict[int, float]] | None  # per token: sampled + top ones
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True

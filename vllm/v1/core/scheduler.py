@@ -1,0 +1,126 @@
+"""Continuous batching: which tokens of which requests each step computes.
+
+Every step has a token budget (``max_num_batched_tokens``). Running requests
+come first, in arrival order: a decoding one needs one token, one still in
+prefill takes what is left of its prompt up to the budget (chunked prefill).
+Then waiting requests join while budget, ``max_num_seqs`` and free KV-cache
+blocks allow. When a running request needs a block and none is free, the
+newest running request is preempted: its blocks are freed and it waits to be
+recomputed from its prompt and the tokens it has produced, so nothing is lost
+and greedy output does not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Positions ``start:end`` of ``request``'s tokens computed this step."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the end of the sequence (its last
+        token's logits give the next token)."""
+        return self.end == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config, self.pool = config, pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> None:
+        """Finish the request now (an abort, or a stop string the engine saw
+        in its text) and free its blocks; a no-op when it is done."""
+        for queue in (self.running, self.waiting):
+            for request in list(queue):
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    request.finish(reason)
+                    self.pool.free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue  # preempted by an older request this step
+            start = request.num_computed_tokens
+            end = min(request.num_tokens, start + budget)
+            while self.pool.allocate(request.request_id, end) is None:
+                preempted = True
+                self._preempt(self.running[-1])
+                if request not in self.running:
+                    break
+            else:
+                chunks.append(ScheduledChunk(request, start, end))
+                budget -= end - start
+        while (
+            self.waiting
+            and not preempted  # the freed blocks go to the running first
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            start = request.num_computed_tokens
+            end = min(request.num_tokens, start + budget)
+            if self.pool.allocate(request.request_id, end) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, start, end))
+            budget -= end - start
+        return chunks
+
+    def finish_step(self, chunks: list[ScheduledChunk]) -> list[Request]:
+        """After the model ran ``chunks`` (and sampled for those that
+        sample): record what is cached, and retire finished requests, whose
+        blocks are freed at once; returns them."""
+        finished = []
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if request.status is RequestStatus.FINISHED and request in self.running:
+                self.running.remove(request)
+                self.pool.free(request.request_id)
+                finished.append(request)
+        return finished

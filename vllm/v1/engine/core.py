@@ -1,0 +1,202 @@
+"""The engine's step loop: schedule -> build the batch -> run the model ->
+sample -> update the requests.
+
+Construction follows the lifecycle: init the workspace manager -> load the
+model -> a profile run at the largest token budget (the MoE layers' scratch
+and workspaces grow to it) -> size the KV cache (``gpu_memory_utilization``
+of the GPU after the profile run's peak; a fixed count on the CPU) -> lock
+the manager. After that a step that would need new workspace is an error.
+Every step runs eagerly (CUDA graphs for decode come later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention, bind_kv_cache
+from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from vllm.v1.request import Request
+from vllm.v1.sample.sampler import sample
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    init_workspace_manager,
+    is_workspace_manager_initialized,
+)
+
+logger = init_logger(__name__)
+
+BLOCK_SIZE = 16
+_PROFILE_SEQ_LEN = 512  # the profile run's sequences: attention stays small
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # fixed KV cache size (tests, CPU)
+    moe_backend: str = "auto"
+    seed: int = 0
+    prefix: str = ""  # layer names; unique per engine in a process
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization: expected in (0, 1], got "
+                f"{self.gpu_memory_utilization}"
+            )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if not is_workspace_manager_initialized():
+            init_workspace_manager(self.device)
+        manager = current_workspace_manager()
+        model = get_model(
+            config.model,
+            load_format=config.load_format,
+            dtype=config.dtype,
+            device=self.device,
+            moe_backend=config.moe_backend,
+            seed=config.seed,
+            prefix=config.prefix,
+        )
+        assert isinstance(model, Qwen3MoeForCausalLM)
+        self.model = model
+        self._profile_run()
+        num_blocks = self._num_kv_blocks()
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        bind_kv_cache(self.model, num_blocks, BLOCK_SIZE)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            ),
+            self.pool,
+        )
+        manager.lock()
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, BLOCK_SIZE)
+
+    # -- setup ---------------------------------------------------------------
+
+    def _profile_run(self) -> None:
+        """One step of ``max_num_batched_tokens`` dummy tokens (sequences of
+        at most 512): the largest batch the engine will run."""
+        budget = self.config.max_num_batched_tokens
+        lens = [_PROFILE_SEQ_LEN] * (budget // _PROFILE_SEQ_LEN)
+        lens += [budget % _PROFILE_SEQ_LEN] if budget % _PROFILE_SEQ_LEN else []
+        pool = BlockPool(sum(-(-n // BLOCK_SIZE) for n in lens), BLOCK_SIZE)
+        for i, n in enumerate(lens):
+            pool.allocate(str(i), n)
+        bind_kv_cache(self.model, pool.num_blocks, BLOCK_SIZE)
+        meta = PagedAttentionMetadata.build(
+            pool, [(str(i), 0, n) for i, n in enumerate(lens)], self.device
+        )
+        ids = torch.zeros(budget, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        with torch.inference_mode(), set_forward_context(meta):
+            self.model.compute_logits(self.model(ids, positions))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _num_kv_blocks(self) -> int:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        itemsize = next(self.model.parameters()).element_size()
+        block_bytes = sum(
+            2 * BLOCK_SIZE * m.num_kv_heads * m.head_size * itemsize for m in layers
+        )
+        for layer in layers:
+            layer.kv_cache = None  # the profile run's cache goes first
+        config = self.config
+        if config.num_kv_blocks is not None:
+            blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            peak = torch.cuda.max_memory_allocated(self.device)
+            blocks = int((config.gpu_memory_utilization * total - peak) // block_bytes)
+        else:
+            blocks = config.max_num_seqs * -(-config.max_model_len // BLOCK_SIZE)
+        if blocks * BLOCK_SIZE < config.max_model_len:
+            raise ValueError(
+                f"max_model_len: the KV cache holds {max(blocks, 0) * BLOCK_SIZE} "
+                f"tokens, fewer than max_model_len={config.max_model_len}"
+            )
+        return blocks
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        total = len(request.prompt_token_ids) + request.sampling_params.max_tokens
+        if not request.prompt_token_ids:
+            raise ValueError("prompt: expected at least one token, got none")
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="
+                f"{request.sampling_params.max_tokens} exceed max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        if request.sampling_params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(
+                request.sampling_params.seed
+            )
+        self.scheduler.add_request(request)
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> None:
+        self.scheduler.finish_request(request_id, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler: requests wait but none can run")
+            return []
+        logits = self._execute(chunks)
+        sampling = [c for c in chunks if c.samples]
+        if sampling:
+            tokens = sample(
+                logits,
+                [c.request.sampling_params for c in sampling],
+                [c.request.generator for c in sampling],
+            )
+            for chunk, token in zip(sampling, tokens, strict=True):
+                chunk.request.append_token(
+                    token.token_id, token.logprob, token.top_logprobs
+                )
+        return self.scheduler.finish_step(chunks)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits of the last token of every chunk that samples."""
+        ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks])
+        meta = PagedAttentionMetadata.build(
+            self.pool,
+            [(c.request.request_id, c.start, c.end) for c in chunks],
+            self.device,
+        )
+        ends = torch.tensor(meta.query_lens).cumsum(0) - 1
+        rows = ends[torch.tensor([c.samples for c in chunks])].to(self.device)
+        with torch.inference_mode(), set_forward_context(meta):
+            hidden = self.model(input_ids, positions.to(self.device))
+            return self.model.compute_logits(hidden[rows])
