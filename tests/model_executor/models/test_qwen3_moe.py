@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from tests.model_executor.models.utils import save_tiny_model
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import bind_kv_cache
 from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 300, 2, 99, 41, 8], list(range(40, 73)), [7]]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe")
-    return path, save_tiny_model(path)
+    return path, build_tiny_checkpoint(path, with_tokenizer=False)
 
 
 def load(
@@ -83,8 +83,12 @@ def test_greedy_generation_matches_transformers(checkpoint):
 def test_tied_embeddings_and_sharded_checkpoint(tmp_path):
     """A tied head (no lm_head tensor) from a checkpoint split over several
     safetensors files with an index."""
-    hf = save_tiny_model(
-        tmp_path, seed=1, max_shard_size="200KB", tie_word_embeddings=True
+    hf = build_tiny_checkpoint(
+        tmp_path,
+        seed=1,
+        max_shard_size="200KB",
+        tie_word_embeddings=True,
+        with_tokenizer=False,
     )
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tests.model_executor.models.utils import save_tiny_model
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.request import Request
@@ -25,7 +25,7 @@ MAX_TOKENS = [1 + i % 10 for i in range(16)]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe_engine")
-    save_tiny_model(path)
+    build_tiny_checkpoint(path, with_tokenizer=False)
     return path
 
 

@@ -1,0 +1,79 @@
+"""``LLM.generate`` on the tiny checkpoint with its locally trained
+tokenizer (fp32, CPU)."""
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.v1.worker.workspace import reset_workspace_manager
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    hf = build_tiny_checkpoint(path)
+    reset_workspace_manager()
+    engine = LLM(path, dtype="float32", device="cpu", max_model_len=96)
+    yield engine, hf
+    reset_workspace_manager()
+
+
+def test_text_in_text_out_matches_transformers(llm):
+    engine, hf = llm
+    prompts = ["def load(fp):", "import json\n"]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = engine.tokenizer(prompt)["input_ids"]
+        assert out.prompt == prompt and out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        completion = out.outputs[0]
+        # A first difference only at a near-tie of transformers' own logits.
+        got, want = completion.token_ids, ref[0, len(ids) :].tolist()
+        pairs = enumerate(zip(got, want, strict=False))  # EOS may end ours first
+        same = next((i for i, (a, b) in pairs if a != b), None)
+        if same is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids + want[:same]])).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-4
+        else:
+            assert got == want
+        assert completion.text == engine.tokenizer.decode(got, skip_special_tokens=True)
+        assert completion.finish_reason in ("length", "stop")
+
+
+def test_seeds_stops_and_logprobs(llm):
+    engine, _ = llm
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, logprobs=2)
+    first, second = engine.generate(["x = 1", "x = 1"], params)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    logprobs = first.outputs[0].logprobs
+    assert logprobs is not None and len(logprobs) == len(first.outputs[0].token_ids)
+    assert all(len(step) in (2, 3) and max(step.values()) <= 0 for step in logprobs)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    (full,) = engine.generate("def f(x):", greedy)
+    text = full.outputs[0].text
+    assert text  # something to cut
+    stop = text[len(text) // 2 :][:2]
+    (cut,) = engine.generate(
+        "def f(x):", SamplingParams(temperature=0, max_tokens=20, stop=[stop])
+    )
+    assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].text == text[: text.index(stop)]
+
+
+def test_bad_prompts_name_their_index(llm):
+    engine, _ = llm
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: 100 tokens"):
+        engine.generate([[1, 2], [3] * 100], SamplingParams(max_tokens=4))
+    with pytest.raises(
+        ValueError, match=r"prompts\[0\]: prompt: expected at least one"
+    ):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="sampling_params: expected one per prompt"):
+        engine.generate(["a", "b"], [SamplingParams()])
+    # The engine still serves.
+    (ok,) = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+    assert len(ok.outputs[0].token_ids) == 3 and ok.outputs[0].text is not None
