@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the local virtualenv, then run one job:
 #   scripts/dev.sh test   ruff, ruff format --check, mypy, pytest
-#   scripts/dev.sh run    the main job (see README)
+#   scripts/dev.sh run    the main job: offline generation (see README)
+#   scripts/dev.sh memory-report   the MoE memory report
 # Idempotent: a second call reuses .venv and installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +30,13 @@ test)
     "$VPY" -m pytest -q "$@"
     ;;
 run)
+    PYTHONPATH="$PWD" "$VPY" examples/offline_inference.py "$@"
+    ;;
+memory-report)
     PYTHONPATH="$PWD" "$VPY" -m benchmarks.moe_memory_report "$@"
     ;;
 *)
-    echo "usage: scripts/dev.sh {test|run} [args...]" >&2
+    echo "usage: scripts/dev.sh {test|run|memory-report} [args...]" >&2
     exit 2
     ;;
 esac

@@ -117,3 +117,31 @@ def test_abort_frees_blocks_at_once(engine_factory):
     engine.finish_request("a")
     assert engine.pool.num_free_blocks == free
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.gpu
+def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
+    """bf16 on CUDA with the GPU experts backend, the KV cache sized from
+    gpu_memory_utilization: 16 requests finish and the locked manager never
+    grows (batch-dependent GEMM tiles may move bf16 ties, so tokens are not
+    compared with solo runs here)."""
+    reset_workspace_manager()
+    try:
+        config = EngineConfig(
+            checkpoint,
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            gpu_memory_utilization=0.05,
+            prefix=next(_prefixes),
+        )
+        engine = EngineCore(config)
+        manager = current_workspace_manager()
+        before = manager.memory_report().total_bytes
+        requests = run(engine, list(range(16)))
+        assert [len(requests[i].output_token_ids) for i in range(16)] == MAX_TOKENS
+        assert manager.memory_report().total_bytes == before
+        assert engine.pool.num_blocks * 16 > 64 * 16  # sized from the GPU's memory
+    finally:
+        reset_workspace_manager()

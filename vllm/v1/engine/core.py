@@ -4,7 +4,8 @@ sample -> update the requests.
 Construction follows the lifecycle: init the workspace manager -> load the
 model -> a profile run at the largest token budget (the MoE layers' scratch
 and workspaces grow to it) -> size the KV cache (``gpu_memory_utilization``
-of the GPU after the profile run's peak; a fixed count on the CPU) -> lock
+of the GPU after the profile run's peak; on the CPU room for 16 sequences of
+``max_model_len``) -> lock
 the manager. After that a step that would need new workspace is an error.
 Every step runs eagerly (CUDA graphs for decode come later).
 """
@@ -36,6 +37,7 @@ logger = init_logger(__name__)
 
 BLOCK_SIZE = 16
 _PROFILE_SEQ_LEN = 512  # the profile run's sequences: attention stays small
+_CPU_FULL_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,9 @@ class EngineCore:
             total = torch.cuda.get_device_properties(self.device).total_memory
             peak = torch.cuda.max_memory_allocated(self.device)
             blocks = int((config.gpu_memory_utilization * total - peak) // block_bytes)
-        else:
-            blocks = config.max_num_seqs * -(-config.max_model_len // BLOCK_SIZE)
+        else:  # the CPU path is for checks: room for 16 full-length sequences
+            per_seq = -(-config.max_model_len // BLOCK_SIZE)
+            blocks = min(config.max_num_seqs, _CPU_FULL_SEQUENCES) * per_seq
         if blocks * BLOCK_SIZE < config.max_model_len:
             raise ValueError(
                 f"max_model_len: the KV cache holds {max(blocks, 0) * BLOCK_SIZE} "
