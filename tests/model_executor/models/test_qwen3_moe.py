@@ -106,13 +106,13 @@ def test_hub_spellings_of_the_config(checkpoint, tmp_path):
     theta = (config.get("rope_parameters") or {}).get("rope_theta", 1e6)
     for key in ("rope_parameters", "num_local_experts", "dtype"):
         config.pop(key, None)
-    config |= {"num_experts": 16, "rope_theta": theta, "torch_dtype": "float32"}
+    config |= {"num_experts": 16, "rope_theta": theta, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for f in path.glob("*.safetensors"):
         (tmp_path / f.name).symlink_to(f)
     ids = PROMPTS[0]
-    model = load(tmp_path, dtype="auto")  # the checkpoint's torch_dtype
-    assert model.lm_head.weight.dtype == torch.float32
+    assert load(tmp_path, dtype="auto").lm_head.weight.dtype == torch.float16
+    model = load(tmp_path)
     assert (our_logits(model, ids) - hf_logits(hf, ids)).abs().max() <= 1e-4
 
 

@@ -28,11 +28,15 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
-    """``"auto"`` is the checkpoint's ``torch_dtype`` (bfloat16 when absent)."""
+    """``"auto"`` is the checkpoint's 16-bit ``torch_dtype``, and bfloat16
+    for float32 checkpoints or none (serving runs 16-bit; ask for float32
+    explicitly, e.g. for parity checks on the CPU)."""
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
+    elif dtype == "auto":
+        name = config_dtype if config_dtype in ("bfloat16", "float16") else "bfloat16"
     else:
-        name = (config_dtype or "bfloat16") if dtype == "auto" else dtype
+        name = dtype
     if name not in _DTYPES:
         raise ValueError(
             f"dtype: expected 'auto' or one of {list(_DTYPES)}, got {dtype!r}"
