@@ -3,12 +3,18 @@
 
 import itertools
 import json
+from typing import Any
 
 import pytest
 import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import bind_kv_cache
+from vllm.model_executor.layers.quantization.marlin import MarlinLinear
+from vllm.model_executor.layers.quantization.utils.marlin_utils import (
+    marlin_dequantize,
+    marlin_quantize_and_repack,
+)
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
@@ -211,3 +217,58 @@ def test_bf16_on_the_gpu_stays_near_transformers(checkpoint):
         top2 = theirs[-1].topk(2)
         if float(top2.values[0] - top2.values[1]) > 0.1:
             assert int(ours[-1].argmax()) == int(top2.indices[0])
+
+
+def w4a16_reference(hf, names: tuple[str, ...]) -> None:
+    """Replace ``hf``'s weights that "w4a16" quantizes by their uint4
+    round trip (in bf16, as our layers hold them): the exact oracle."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if not name.endswith(names):
+                continue
+            rows = param.data.reshape(-1, param.shape[-1]).to(torch.bfloat16)
+            packed, scales = marlin_quantize_and_repack(rows, 128, torch.bfloat16)
+            param.copy_(marlin_dequantize(packed, scales, 128).view(param.shape))
+
+
+@pytest.mark.parametrize(
+    ("quantization", "experts", "bound"),
+    [
+        (None, "GroupedMMExperts", 0.05),
+        ("fp8", "TritonExpertsFp8", 0.08),
+        ("w4a16", "MarlinExperts", 0.05),
+    ],
+)
+def test_online_quantization_matches_its_oracle(tmp_path, quantization, experts, bound):
+    """bf16 on the CPU (the quantized kernels' references) against
+    transformers in fp32: relative error of the logits under ``bound``. For
+    "w4a16" transformers runs the uint4 round trip of the same weights (4-bit
+    weights alone move these random logits by ~35%); for "fp8" the original
+    weights (FP8 rounding of weights and activations is within the bound)."""
+    dims = {"moe_intermediate_size": 128, "intermediate_size": 256}
+    hf = build_tiny_checkpoint(
+        tmp_path,
+        seed=2,
+        with_tokenizer=False,
+        **dims,  # type: ignore[arg-type]
+    )
+    if quantization == "w4a16":
+        projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+        mlp = ("o_proj.weight", "gate_proj.weight", "up_proj.weight")
+        w4a16_reference(hf, (*projections, *mlp, "down_proj.weight", "down_proj"))
+        w4a16_reference(hf, ("gate_up_proj",))
+    model = get_model(
+        tmp_path, dtype="bfloat16", quantization=quantization, prefix=next(_prefixes)
+    )
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    kernel = model.moe_layers()[0].kernel
+    assert kernel is not None and type(kernel.experts).__name__ == experts
+    dense = [m for m in model.modules() if isinstance(m, MarlinLinear)]
+    assert len(dense) == (4 * 4 + 3 if quantization == "w4a16" else 0)
+    for ids in PROMPTS[:2]:
+        ours, theirs = our_logits(model, ids), hf_logits(hf, ids)
+        error = float((ours - theirs).norm() / theirs.norm())
+        print(f"{quantization}: logits relative error {error:.4f}")
+        assert error < bound
+    with pytest.raises(ValueError, match="quantization: expected None or one of"):
+        get_model(tmp_path, quantization="int8", prefix=next(_prefixes))

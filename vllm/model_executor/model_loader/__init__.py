@@ -51,11 +51,15 @@ def get_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     moe_backend: str = "auto",
+    quantization: str | None = None,
     seed: int = 0,
     prefix: str = "",
 ) -> nn.Module:
     """The loaded model of checkpoint directory ``model``, in inference mode
-    (no gradients); ``seed`` draws the dummy weights."""
+    (no gradients); ``seed`` draws the dummy weights. ``quantization``
+    quantizes while loading: "fp8" (experts: FP8 weights per channel,
+    activations per token) or "w4a16" (uint4 weights in groups of 128 for the
+    experts and the attention and dense MLP linears)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}"
@@ -65,7 +69,12 @@ def get_model(
     config = cls.config_class.from_hf(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config.get("torch_dtype"))
     net = cls(
-        config, dtype=torch_dtype, device=device, moe_backend=moe_backend, prefix=prefix
+        config,
+        dtype=torch_dtype,
+        device=device,
+        moe_backend=moe_backend,
+        quantization=quantization,
+        prefix=prefix,
     )
     if load_format == "dummy":
         net.load_weights(_dummy_weights(net, seed))

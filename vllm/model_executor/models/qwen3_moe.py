@@ -23,9 +23,14 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+    QuantScheme,
+)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.quantization.marlin import MarlinLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -78,25 +83,47 @@ class Qwen3MoeModelConfig:
         )
 
 
-def _linear(n_in: int, n_out: int, dtype: torch.dtype, device: Any) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=False, dtype=dtype, device=device)
+@dataclass(frozen=True)
+class BuildArgs:
+    """How every layer is built: dtype, device, the experts backend and the
+    online quantization (None, "fp8" or "w4a16")."""
+
+    dtype: torch.dtype
+    device: Any
+    moe_backend: str = "auto"
+    quantization: str | None = None
+
+
+QUANTIZATIONS = {
+    "fp8": QuantScheme.FP8_PER_TOKEN,  # experts only
+    "w4a16": QuantScheme.W4A16_UINT4,  # experts and the attention/dense MLP linears
+}
+
+
+def _linear(n_in: int, n_out: int, args: BuildArgs, quantize: bool = True) -> nn.Module:
+    """A bias-free linear layer; W4A16 (our Marlin GEMM) under "w4a16"
+    where ``quantize`` (the router and the head stay 16-bit)."""
+    if quantize and args.quantization == "w4a16":
+        return MarlinLinear(n_in, n_out, params_dtype=args.dtype, device=args.device)
+    layer = nn.Linear(n_in, n_out, bias=False, dtype=args.dtype, device=args.device)
     layer.weight.requires_grad_(False)
     return layer
 
 
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config: Qwen3MoeModelConfig, dtype: torch.dtype, device: Any):
+    def __init__(self, config: Qwen3MoeModelConfig, args: BuildArgs):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
+        dtype, device = args.dtype, args.device
         self.num_heads, self.num_kv_heads = (
             config.num_attention_heads,
             config.num_key_value_heads,
         )
         self.head_dim = d
-        self.q_proj = _linear(h, self.num_heads * d, dtype, device)
-        self.k_proj = _linear(h, self.num_kv_heads * d, dtype, device)
-        self.v_proj = _linear(h, self.num_kv_heads * d, dtype, device)
-        self.o_proj = _linear(self.num_heads * d, h, dtype, device)
+        self.q_proj = _linear(h, self.num_heads * d, args)
+        self.k_proj = _linear(h, self.num_kv_heads * d, args)
+        self.v_proj = _linear(h, self.num_kv_heads * d, args)
+        self.o_proj = _linear(self.num_heads * d, h, args)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(d, config.rope_theta)
@@ -116,40 +143,37 @@ class Qwen3MoeAttention(nn.Module):
 class Qwen3MoeMLP(nn.Module):
     """The dense layers' gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: Any):
+    def __init__(self, hidden: int, inter: int, args: BuildArgs):
         super().__init__()
-        self.gate_proj = _linear(hidden, inter, dtype, device)
-        self.up_proj = _linear(hidden, inter, dtype, device)
-        self.down_proj = _linear(inter, hidden, dtype, device)
+        self.gate_proj = _linear(hidden, inter, args)
+        self.up_proj = _linear(hidden, inter, args)
+        self.down_proj = _linear(inter, hidden, args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(
-        self,
-        config: Qwen3MoeModelConfig,
-        prefix: str,
-        dtype: torch.dtype,
-        device: Any,
-        moe_backend: str,
-    ):
+    def __init__(self, config: Qwen3MoeModelConfig, prefix: str, args: BuildArgs):
         super().__init__()
-        self.gate = _linear(config.hidden_size, config.num_experts, dtype, device)
+        self.gate = _linear(
+            config.hidden_size, config.num_experts, args, quantize=False
+        )
+        scheme = QUANTIZATIONS.get(args.quantization or "", QuantScheme.UNQUANTIZED)
         moe = FusedMoEConfig(
             num_experts=config.num_experts,
             experts_per_token=config.num_experts_per_tok,
             hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size,
-            in_dtype=dtype,
+            in_dtype=args.dtype,
+            quant_config=FusedMoEQuantConfig(scheme),
         )
         self.experts = FusedMoE(
             moe,
             prefix=f"{prefix}.experts",
             renormalize=config.norm_topk_prob,
-            backend=moe_backend,
-            device=device,
+            backend=args.moe_backend,
+            device=args.device,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,24 +182,19 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 class Qwen3MoeDecoderLayer(nn.Module):
     def __init__(
-        self,
-        config: Qwen3MoeModelConfig,
-        layer: int,
-        prefix: str,
-        dtype: torch.dtype,
-        device: Any,
-        moe_backend: str,
+        self, config: Qwen3MoeModelConfig, layer: int, prefix: str, args: BuildArgs
     ):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Qwen3MoeAttention(config, dtype, device)
+        self.self_attn = Qwen3MoeAttention(config, args)
         self.mlp: nn.Module = (
-            Qwen3MoeSparseMoeBlock(config, f"{prefix}.mlp", dtype, device, moe_backend)
+            Qwen3MoeSparseMoeBlock(config, f"{prefix}.mlp", args)
             if config.is_sparse(layer)
-            else Qwen3MoeMLP(h, config.intermediate_size, dtype, device)
+            else Qwen3MoeMLP(h, config.intermediate_size, args)
         )
-        self.input_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
+        norm = {"dtype": args.dtype, "device": args.device}
+        self.input_layernorm = RMSNorm(h, eps, **norm)
+        self.post_attention_layernorm = RMSNorm(h, eps, **norm)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
@@ -183,27 +202,21 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(
-        self,
-        config: Qwen3MoeModelConfig,
-        prefix: str,
-        dtype: torch.dtype,
-        device: Any,
-        moe_backend: str,
-    ):
+    def __init__(self, config: Qwen3MoeModelConfig, prefix: str, args: BuildArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, dtype=args.dtype, device=args.device
         )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(
-                config, i, f"{prefix}.layers.{i}", dtype, device, moe_backend
-            )
+            Qwen3MoeDecoderLayer(config, i, f"{prefix}.layers.{i}", args)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+            config.hidden_size,
+            config.rms_norm_eps,
+            dtype=args.dtype,
+            device=args.device,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -234,12 +247,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         moe_backend: str = "auto",
+        quantization: str | None = None,
         prefix: str = "",
     ):
         super().__init__()
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: expected None or one of {list(QUANTIZATIONS)}, got "
+                f"{quantization!r}"
+            )
         self.config = config
-        self.model = Qwen3MoeModel(config, f"{prefix}model", dtype, device, moe_backend)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype, device)
+        args = BuildArgs(dtype, device, moe_backend, quantization)
+        self.model = Qwen3MoeModel(config, f"{prefix}model", args)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, args, False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -322,3 +342,6 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise ValueError(f"weights: missing {sorted(missing)}")
         for layer in experts.values():
             layer.process_weights_after_loading()  # names unloaded expert shards
+        for module in self.modules():
+            if isinstance(module, MarlinLinear):
+                module.process_weights_after_loading()

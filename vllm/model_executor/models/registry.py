@@ -21,6 +21,7 @@ class CausalLM(Protocol):
         dtype: torch.dtype,
         device: torch.device | str,
         moe_backend: str,
+        quantization: str | None,
         prefix: str,
     ) -> None: ...
 

@@ -52,6 +52,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # fixed KV cache size (tests, CPU)
     moe_backend: str = "auto"
+    quantization: str | None = None  # "fp8" or "w4a16", applied while loading
     seed: int = 0
     prefix: str = ""  # layer names; unique per engine in a process
 
@@ -76,6 +77,7 @@ class EngineCore:
             dtype=config.dtype,
             device=self.device,
             moe_backend=config.moe_backend,
+            quantization=config.quantization,
             seed=config.seed,
             prefix=config.prefix,
         )
