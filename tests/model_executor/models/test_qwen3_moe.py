@@ -245,12 +245,12 @@ def test_online_quantization_matches_its_oracle(tmp_path, quantization, experts,
     "w4a16" transformers runs the uint4 round trip of the same weights (4-bit
     weights alone move these random logits by ~35%); for "fp8" the original
     weights (FP8 rounding of weights and activations is within the bound)."""
-    dims = {"moe_intermediate_size": 128, "intermediate_size": 256}
+    dims: dict[str, Any] = {"moe_intermediate_size": 128, "intermediate_size": 256}
     hf = build_tiny_checkpoint(
         tmp_path,
         seed=2,
         with_tokenizer=False,
-        **dims,  # type: ignore[arg-type]
+        **dims,
     )
     if quantization == "w4a16":
         projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
