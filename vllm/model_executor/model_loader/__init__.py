@@ -77,16 +77,21 @@ def get_model(
         prefix=prefix,
     )
     if load_format == "dummy":
-        net.load_weights(_dummy_weights(net, seed))
+        net.load_weights(_dummy_weights(net, seed, torch.device(device)))
     else:
         net.load_weights(safetensors_weights_iterator(model))
     assert isinstance(net, nn.Module)
     return net.eval()
 
 
-def _dummy_weights(net: CausalLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _dummy_weights(
+    net: CausalLM, seed: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Small uniform values for every checkpoint tensor of ``net`` (as vLLM's
-    dummy format: shapes and dtypes real, values meaningless)."""
-    gen = torch.Generator().manual_seed(seed)
+    dummy format: shapes and dtypes real, values meaningless), drawn on the
+    model's device: a 30B model's worth of host random numbers takes
+    minutes."""
+    gen = torch.Generator(device).manual_seed(seed)
     for name, shape, dtype in net.checkpoint_shapes():
-        yield name, (torch.rand(shape, generator=gen) * 2e-3 - 1e-3).to(dtype)
+        values = torch.rand(shape, generator=gen, device=device, dtype=dtype)
+        yield name, values.mul_(2e-3).sub_(1e-3)
