@@ -17,6 +17,7 @@ from typing import Any, cast
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.request import Request
 
 _engine_ids = itertools.count()
@@ -84,32 +85,33 @@ class LLM:
                     self.engine.finish_request(earlier.request_id)
                 raise ValueError(f"prompts[{i}]: {e}") from None
             requests.append(request)
+        detokenizers = {
+            r.request_id: IncrementalDetokenizer(self.tokenizer, r.sampling_params.stop)
+            for r in requests
+            if self.tokenizer is not None
+        }
         while self.engine.has_unfinished_requests():
             self.engine.step()
-            self._check_stop_strings(requests)
+            for request in requests:
+                detok = detokenizers.get(request.request_id)
+                if detok is None:
+                    continue
+                detok.update(request.output_token_ids[len(detok.token_ids) :])
+                if detok.stopped and request.finish_reason is None:
+                    self.engine.finish_request(request.request_id, "stop")
+        for detok in detokenizers.values():
+            detok.flush()
         return [
-            self._output(r, p if isinstance(p, str) else None)
+            self._output(r, p if isinstance(p, str) else None, detokenizers)
             for r, p in zip(requests, batch, strict=True)
         ]
 
-    def _check_stop_strings(self, requests: list[Request]) -> None:
-        if self.tokenizer is None:
-            return
-        for request in requests:
-            stops = request.sampling_params.stop
-            if stops and request.finish_reason is None:
-                text = self.tokenizer.decode(request.output_token_ids)
-                if any(s in text for s in stops):
-                    self.engine.finish_request(request.request_id, "stop")
-
-    def _text(self, request: Request) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        cut = [text.index(s) for s in request.sampling_params.stop if s in text]
-        return text[: min(cut)] if cut else text
-
-    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+    def _output(
+        self,
+        request: Request,
+        prompt: str | None,
+        detokenizers: dict[str, IncrementalDetokenizer],
+    ) -> RequestOutput:
         logprobs = None
         if request.sampling_params.logprobs is not None:
             logprobs = [
@@ -122,7 +124,7 @@ class LLM:
                 )
             ]
         completion = CompletionOutput(
-            self._text(request),
+            detok.text if (detok := detokenizers.get(request.request_id)) else None,
             request.output_token_ids,
             request.finish_reason,
             logprobs,
