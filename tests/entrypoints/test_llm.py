@@ -77,3 +77,13 @@ def test_bad_prompts_name_their_index(llm):
     # The engine still serves.
     (ok,) = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
     assert len(ok.outputs[0].token_ids) == 3 and ok.outputs[0].text is not None
+
+
+def test_a_second_engine_in_the_process_warms_up_and_both_serve(llm, tmp_path):
+    first, _ = llm
+    # Other routing dims: a new shared scratch in the (locked) manager.
+    build_tiny_checkpoint(tmp_path, seed=5, with_tokenizer=False, num_experts=8)
+    second = LLM(tmp_path, dtype="float32", device="cpu", max_model_len=32)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert len(second.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
+    assert len(first.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3

@@ -71,6 +71,9 @@ class EngineCore:
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device)
         manager = current_workspace_manager()
+        # Another engine of this process may have locked it: this one warms
+        # up too (the slots are shared; engines run one at a time).
+        manager.unlock()
         model = get_model(
             config.model,
             load_format=config.load_format,
