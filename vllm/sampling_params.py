@@ -23,7 +23,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
+    stop: str | list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -41,11 +41,16 @@ class SamplingParams:
                 "None or >= 0",
                 self.logprobs,
             ),
-            ("stop", all(self.stop), "non-empty strings", self.stop),
+            ("stop", all(self.stop_strings), "non-empty strings", self.stop),
         )
         for name, ok, expected, got in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (one string is one stop string)."""
+        return [self.stop] if isinstance(self.stop, str) else self.stop
 
     @property
     def greedy(self) -> bool:

@@ -85,5 +85,10 @@ def test_a_second_engine_in_the_process_warms_up_and_both_serve(llm, tmp_path):
     build_tiny_checkpoint(tmp_path, seed=5, with_tokenizer=False, num_experts=8)
     second = LLM(tmp_path, dtype="float32", device="cpu", max_model_len=32)
     params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: sampling_params.stop"):
+        second.generate([[1, 2]], SamplingParams(stop="x"))  # no tokenizer
+    with pytest.raises(ValueError, match=r"prompts\[1\]: a text prompt needs"):
+        second.generate([[1, 2], "text"], params)
+    assert not second.engine.has_unfinished_requests()  # prompts[0] withdrawn
     assert len(second.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
     assert len(first.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3

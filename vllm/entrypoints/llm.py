@@ -75,36 +75,56 @@ class LLM:
                 f"{len(per_prompt)}"
             )
         requests: list[Request] = []
-        for i, (prompt, p) in enumerate(zip(batch, per_prompt, strict=True)):
-            ids = self._prompt_ids(prompt, i)
-            request = Request(str(next(self._request_ids)), ids, p, self._eos())
-            try:
-                self.engine.add_request(request)
-            except ValueError as e:
-                for earlier in requests:
-                    self.engine.finish_request(earlier.request_id)
-                raise ValueError(f"prompts[{i}]: {e}") from None
-            requests.append(request)
-        detokenizers = {
-            r.request_id: IncrementalDetokenizer(self.tokenizer, r.sampling_params.stop)
-            for r in requests
-            if self.tokenizer is not None
-        }
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        try:
+            for i, (prompt, p) in enumerate(zip(batch, per_prompt, strict=True)):
+                try:
+                    if p.stop_strings and self.tokenizer is None:
+                        raise ValueError(
+                            "sampling_params.stop: stop strings need a tokenizer in "
+                            "the checkpoint directory; use stop_token_ids"
+                        )
+                    ids = self._prompt_ids(prompt, i)
+                    request = Request(str(next(self._request_ids)), ids, p, self._eos())
+                    self.engine.add_request(request)
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+                requests.append(request)
+            detokenizers = self._run(requests)
+        finally:  # an error leaves none of this call's requests in the engine
             for request in requests:
-                detok = detokenizers.get(request.request_id)
-                if detok is None:
-                    continue
-                detok.update(request.output_token_ids[len(detok.token_ids) :])
-                if detok.stopped and request.finish_reason is None:
-                    self.engine.finish_request(request.request_id, "stop")
+                self.engine.finish_request(request.request_id)
         for detok in detokenizers.values():
             detok.flush()
         return [
             self._output(r, p if isinstance(p, str) else None, detokenizers)
             for r, p in zip(requests, batch, strict=True)
         ]
+
+    def _run(self, requests: list[Request]) -> dict[str, IncrementalDetokenizer]:
+        """Step the engine until it is idle, checking stop strings on the
+        text of each new token; returns the requests' detokenizers."""
+        detokenizers = {
+            r.request_id: IncrementalDetokenizer(
+                self.tokenizer, r.sampling_params.stop_strings
+            )
+            for r in requests
+            if self.tokenizer is not None
+        }
+        active = list(detokenizers.items())
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            by_id = {r.request_id: r for r in requests}
+            still = []
+            for request_id, detok in active:
+                request = by_id[request_id]
+                detok.update(request.output_token_ids[len(detok.token_ids) :])
+                if detok.stopped:  # also when the last allowed token completed it
+                    self.engine.finish_request(request_id, "stop")
+                    request.finish_reason = "stop"
+                elif request.finish_reason is None:
+                    still.append((request_id, detok))
+            active = still  # finished requests are decoded no more
+        return detokenizers
 
     def _output(
         self,

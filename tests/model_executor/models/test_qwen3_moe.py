@@ -135,6 +135,9 @@ def test_bad_checkpoints_are_named(checkpoint, tmp_path):
         model.load_weights([(name, torch.zeros(31))])
     with pytest.raises(ValueError, match=r"'model\.extra\.weight' is not a tensor"):
         model.load_weights([("model.extra.weight", torch.zeros(1))])
+    expert_up = "model.layers.0.mlp.experts.5.up_proj.weight"
+    with pytest.raises(ValueError, match=rf"'{expert_up}': loaded_weight: expected"):
+        model.load_weights([(expert_up, torch.zeros(63, 128))])
     fresh = type(model)(model.config, dtype=torch.float32, prefix=next(_prefixes))
     expert = "model.layers.2.mlp.experts.3.up_proj.weight"
     with pytest.raises(ValueError, match=r"experts: 1 expert shards were not"):

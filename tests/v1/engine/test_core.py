@@ -104,6 +104,14 @@ def test_bad_requests_are_refused_and_others_served(engine_factory):
         engine.add_request(Request("long", [1] * 60, SamplingParams(max_tokens=8)))
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         engine.add_request(Request("empty", [], SamplingParams()))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 320\)"):
+        engine.add_request(Request("oov", [5, 320], SamplingParams()))
+    with pytest.raises(ValueError, match="logprobs: expected <= 320"):
+        engine.add_request(Request("lp", [5], SamplingParams(logprobs=321)))
+    engine.add_request(Request("dup", [5], SamplingParams(max_tokens=1)))
+    with pytest.raises(ValueError, match="request_id: 'dup' is already running"):
+        engine.add_request(Request("dup", [6], SamplingParams()))
+    engine.finish_request("dup")
     served = run(engine, [0, 1])
     assert [len(served[i].output_token_ids) for i in (0, 1)] == MAX_TOKENS[:2]
 
@@ -145,3 +153,13 @@ def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
         assert engine.pool.num_blocks * 16 > 64 * 16  # sized from the GPU's memory
     finally:
         reset_workspace_manager()
+
+
+def test_a_failed_engine_leaves_the_manager_locked(engine_factory, tmp_path):
+    engine_factory(max_num_batched_tokens=16)
+    manager = current_workspace_manager()
+    with pytest.raises(ValueError, match="max_num_seqs: expected >= 1, got 0"):
+        EngineCore(EngineConfig(tmp_path, max_num_seqs=0))
+    with pytest.raises(ValueError, match="model: expected a checkpoint directory"):
+        EngineCore(EngineConfig(tmp_path / "absent", device="cpu"))
+    assert manager.is_locked()

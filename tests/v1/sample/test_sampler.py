@@ -81,3 +81,8 @@ def test_bad_values_are_named(field, value):
 def test_one_params_per_row():
     with pytest.raises(ValueError, match="params/generators: expected 2"):
         sample(torch.zeros(2, 4), [SamplingParams()], [None])
+
+
+def test_one_stop_string_is_not_its_characters():
+    assert SamplingParams(stop="END").stop_strings == ["END"]
+    assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]

@@ -313,9 +313,12 @@ class Qwen3MoeForCausalLM(nn.Module):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
             if (m := _EXPERT.match(name)) and m.group(1) in experts:
-                experts[m.group(1)].weight_loader(
-                    tensor, _SHARDS[m.group(3)], int(m.group(2))
-                )
+                try:
+                    experts[m.group(1)].weight_loader(
+                        tensor, _SHARDS[m.group(3)], int(m.group(2))
+                    )
+                except ValueError as e:
+                    raise ValueError(f"weights: {name!r}: {e}") from None
                 continue
             if (m := _FUSED_EXPERTS.match(name)) and m.group(1) in experts:
                 fused.setdefault(m.group(1), {})[m.group(2)] = tensor

@@ -1,8 +1,9 @@
 """Continuous batching: which tokens of which requests each step computes.
 
 Every step has a token budget (``max_num_batched_tokens``). Running requests
-come first, in arrival order: a decoding one needs one token, one still in
-prefill takes what is left of its prompt up to the budget (chunked prefill).
+come first, in the order they were admitted (a resumed request joins last):
+a decoding one needs one token, one still in prefill takes what is left of
+its prompt up to the budget (chunked prefill).
 Then waiting requests join while budget, ``max_num_seqs`` and free KV-cache
 blocks allow. When a running request needs a block and none is free, the
 newest running request is preempted: its blocks are freed and it waits to be
@@ -64,6 +65,9 @@ class Scheduler:
                     queue.remove(request)
                     request.finish(reason)
                     self.pool.free(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in (*self.waiting, *self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

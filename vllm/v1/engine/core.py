@@ -53,7 +53,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed KV cache size (tests, CPU)
     moe_backend: str = "auto"
     quantization: str | None = None  # "fp8" or "w4a16", applied while loading
-    seed: int = 0
+    enforce_eager: bool = False  # every step runs eagerly until decode graphs land
+    seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process
 
     def __post_init__(self) -> None:
@@ -68,12 +69,27 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+        )  # checked before minutes of loading
+        torch.manual_seed(config.seed)
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device)
         manager = current_workspace_manager()
         # Another engine of this process may have locked it: this one warms
-        # up too (the slots are shared; engines run one at a time).
+        # up too (the slots are shared; engines run one at a time). Locked
+        # again whatever happens.
         manager.unlock()
+        try:
+            self._setup(scheduler_config)
+        finally:
+            manager.lock()
+        logger.info(
+            "KV cache: %d blocks of %d tokens", self.pool.num_blocks, BLOCK_SIZE
+        )
+
+    def _setup(self, scheduler_config: SchedulerConfig) -> None:
+        config = self.config
         model = get_model(
             config.model,
             load_format=config.load_format,
@@ -86,27 +102,29 @@ class EngineCore:
         )
         assert isinstance(model, Qwen3MoeForCausalLM)
         self.model = model
+        if self.device.type == "cuda":
+            # The peak must not count weights that loading dropped (the
+            # full-precision experts that quantization replaced).
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         num_blocks = self._num_kv_blocks()
         self.pool = BlockPool(num_blocks, BLOCK_SIZE)
         bind_kv_cache(self.model, num_blocks, BLOCK_SIZE)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
-            ),
-            self.pool,
-        )
-        manager.lock()
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, BLOCK_SIZE)
+        self.scheduler = Scheduler(scheduler_config, self.pool)
 
     # -- setup ---------------------------------------------------------------
 
     def _profile_run(self) -> None:
-        """One step of ``max_num_batched_tokens`` dummy tokens (sequences of
-        at most 512): the largest batch the engine will run."""
-        budget = self.config.max_num_batched_tokens
-        lens = [_PROFILE_SEQ_LEN] * (budget // _PROFILE_SEQ_LEN)
-        lens += [budget % _PROFILE_SEQ_LEN] if budget % _PROFILE_SEQ_LEN else []
+        """One step of ``max_num_batched_tokens`` dummy tokens, the largest
+        batch the engine runs: one sequence as long as a step can compute
+        (the attention's peak), the rest in others; logits for at most
+        ``max_num_seqs`` rows, as the steps compute them."""
+        config = self.config
+        budget = config.max_num_batched_tokens
+        longest = min(config.max_model_len, budget)
+        lens = [longest] + [longest] * ((budget - longest) // longest)
+        lens += [budget % longest] if budget % longest else []
         pool = BlockPool(sum(-(-n // BLOCK_SIZE) for n in lens), BLOCK_SIZE)
         for i, n in enumerate(lens):
             pool.allocate(str(i), n)
@@ -116,8 +134,9 @@ class EngineCore:
         )
         ids = torch.zeros(budget, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        rows = min(config.max_num_seqs, budget)
         with torch.inference_mode(), set_forward_context(meta):
-            self.model.compute_logits(self.model(ids, positions))
+            self.model.compute_logits(self.model(ids, positions)[-rows:])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -141,17 +160,30 @@ class EngineCore:
             blocks = min(config.max_num_seqs, _CPU_FULL_SEQUENCES) * per_seq
         if blocks * BLOCK_SIZE < config.max_model_len:
             raise ValueError(
-                f"max_model_len: the KV cache holds {max(blocks, 0) * BLOCK_SIZE} "
-                f"tokens, fewer than max_model_len={config.max_model_len}"
+                f"gpu_memory_utilization/max_model_len: the KV cache holds "
+                f"{max(blocks, 0) * BLOCK_SIZE} tokens, fewer than max_model_len="
+                f"{config.max_model_len}"
             )
         return blocks
 
     # -- requests ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        total = len(request.prompt_token_ids) + request.sampling_params.max_tokens
-        if not request.prompt_token_ids:
+        """Queue a request after checking it (errors name the field; the
+        engine state is untouched when one is raised)."""
+        params, ids = request.sampling_params, request.prompt_token_ids
+        total = len(ids) + params.max_tokens
+        vocab = self.model.config.vocab_size
+        if not ids:
             raise ValueError("prompt: expected at least one token, got none")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(
+                f"prompt: token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}"
+            )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
+        if self.scheduler.has_request(request.request_id):
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
         if total > self.config.max_model_len:
             raise ValueError(
                 f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="

@@ -1,0 +1,71 @@
+"""The scheduler alone, on a BlockPool, with requests whose tokens the test
+appends itself (no model)."""
+
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.scheduler import Scheduler, SchedulerConfig
+from vllm.v1.request import Request
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
+    """One step; every chunk that samples gets token 7."""
+    chunks = scheduler.schedule()
+    for c in chunks:
+        if c.samples:
+            c.request.append_token(7, 0.0, {})
+    scheduler.finish_step(chunks)
+    return [(c.request.request_id, c.start, c.end) for c in chunks]
+
+
+def test_budget_chunks_prefill_and_max_num_seqs_admits():
+    scheduler = Scheduler(SchedulerConfig(2, 10, 64), BlockPool(16, 4))
+    for rid, n in (("a", 12), ("b", 3), ("c", 2)):
+        scheduler.add_request(request(rid, n))
+    assert step(scheduler) == [("a", 0, 10)]  # budget 10: a's first chunk
+    assert step(scheduler) == [("a", 10, 12), ("b", 0, 3)]  # then b (2 seqs max)
+    assert step(scheduler) == [("a", 12, 13), ("b", 3, 4)]  # c waits: max_num_seqs
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_preemption_recomputes_the_newest_and_resumes_it_last():
+    pool = BlockPool(3, 4)  # 12 token slots
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), pool)
+    old, new = request("old", 4, 8), request("new", 3, 8)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    assert step(scheduler) == [("old", 0, 4), ("new", 0, 3)]
+    # old needs a second block at its 5th token; new takes a second at its 5th.
+    assert step(scheduler) == [("old", 4, 5), ("new", 3, 4)]
+    assert step(scheduler) == [("old", 5, 6)]  # new preempted: no block for it
+    assert new.num_preemptions == 1 and new.num_computed_tokens == 0
+    assert new.output_token_ids == [7, 7]  # kept, recomputed with the prompt
+    scheduler.finish_request("old")
+    assert pool.num_free_blocks == 3
+    assert step(scheduler) == [("new", 0, 5)]  # prompt + its 2 tokens
+    assert scheduler.running == [new]
+
+
+def test_abort_mid_prefill_and_while_waiting_frees_blocks():
+    pool = BlockPool(8, 4)
+    scheduler = Scheduler(SchedulerConfig(1, 6, 64), pool)
+    scheduler.add_request(request("long", 20))
+    scheduler.add_request(request("queued", 2))
+    assert step(scheduler) == [("long", 0, 6)]
+    assert pool.num_free_blocks == 6
+    scheduler.finish_request("long")
+    scheduler.finish_request("queued")
+    assert pool.num_free_blocks == 8 and not scheduler.has_unfinished()
+    assert step(scheduler) == []
+
+
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])
+def test_bad_config_names_the_field(field):
+    values = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1}
+    with pytest.raises(ValueError, match=f"{field}: expected >= 1, got 0"):
+        SchedulerConfig(**(values | {field: 0}))
