@@ -56,19 +56,21 @@ def sample(
             f"got {len(params)}/{len(generators)}"
         )
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    out: list[SampledToken] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        if p.greedy:
-            token = int(row.argmax())
-        else:
-            probs = filtered_probs(row, p)
+    tokens = logits.argmax(dim=-1)  # greedy rows; random rows replaced below
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            probs = filtered_probs(logits[i], p)
             # The exponential race: argmax(p / E), E ~ Exp(1), draws from p.
             race = torch.empty_like(probs).exponential_(generator=gen)
-            token = int((probs / race).argmax())
-        i = len(out)
+            tokens[i] = (probs / race).argmax()
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    out: list[SampledToken] = []
+    # One host copy for the batch (a GPU sync per row would stall each step).
+    rows = zip(params, tokens.tolist(), chosen.tolist(), strict=True)
+    for i, (p, token, logprob) in enumerate(rows):
         top: dict[int, float] = {}
         if p.logprobs:
             values, ids = logprobs[i].topk(p.logprobs)
             top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-        out.append(SampledToken(token, float(logprobs[i, token]), top))
+        out.append(SampledToken(token, logprob, top))
     return out
