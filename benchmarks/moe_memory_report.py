@@ -33,8 +33,8 @@ from vllm.model_executor.layers.fused_moe.layer import BACKENDS, FusedMoE
 from vllm.v1.worker.workspace import (
     init_workspace_manager,
     reset_workspace_manager,
-    tensor_storage_bytes,
 )
+from vllm.v1.worker.workspace_report import tensor_storage_bytes
 
 MiB = 2**20
 SCHEMES = {

@@ -23,10 +23,10 @@ from vllm.v1.worker.workspace import (
     is_workspace_manager_initialized,
     lock_workspace,
     reset_workspace_manager,
-    tensor_storage_bytes,
     unlock_workspace,
     use_workspace_lane,
 )
+from vllm.v1.worker.workspace_report import tensor_storage_bytes
 
 
 @pytest.fixture

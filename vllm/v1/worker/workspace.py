@@ -27,8 +27,14 @@ import torch
 
 from vllm import envs
 from vllm.logger import init_logger
-from vllm.utils import align_up, canonical_device, named_tensors
+from vllm.utils import align_up, canonical_device
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+from vllm.v1.worker.workspace_report import (
+    ResourceReport,
+    SlotReport,
+    WorkspaceReport,
+    tensor_storage_bytes,
+)
 
 logger = init_logger(__name__)
 
@@ -74,82 +80,6 @@ def _stream_key(device: torch.device) -> Hashable:
     # this runs on every per-stream lookup, i.e. on every GEMM call.
     stream_id, device_index, _ = torch._C._cuda_getCurrentStream(device.index)
     return ("stream", device_index, stream_id)
-
-
-def tensor_storage_bytes(obj: object) -> int:
-    """Bytes of the distinct tensor storages reachable from ``obj``.
-
-    Counts each storage once, so an object holding views of one buffer is
-    not counted twice.
-    """
-    storages = {
-        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-        for _, t in named_tensors(obj)
-    }
-    return sum(storages.values())
-
-
-@dataclass
-class ResourceReport:
-    """One persistent resource of a slot."""
-
-    kind: str  # "tensor" or "object"
-    key: Hashable
-    type_name: str
-    nbytes: int
-
-
-@dataclass
-class SlotReport:
-    """Memory held by one execution slot."""
-
-    ubatch: int
-    lane: int
-    arena_bytes: int
-    resources: list[ResourceReport]
-
-    @property
-    def persistent_bytes(self) -> int:
-        return sum(r.nbytes for r in self.resources)
-
-
-@dataclass
-class WorkspaceReport:
-    """Memory held by the manager, per slot, with totals."""
-
-    device: str
-    locked: bool
-    slots: list[SlotReport]
-
-    @property
-    def arena_bytes(self) -> int:
-        return sum(s.arena_bytes for s in self.slots)
-
-    @property
-    def persistent_bytes(self) -> int:
-        return sum(s.persistent_bytes for s in self.slots)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.arena_bytes + self.persistent_bytes
-
-    def resources_of_type(self, type_name: str) -> list[ResourceReport]:
-        return [r for s in self.slots for r in s.resources if r.type_name == type_name]
-
-    def format(self) -> str:
-        lines = [f"workspace on {self.device} ({'locked' if self.locked else 'open'})"]
-        for s in self.slots:
-            lines.append(
-                f"  slot (ubatch={s.ubatch}, lane={s.lane}): arena {s.arena_bytes} B, "
-                f"{len(s.resources)} persistent resources, {s.persistent_bytes} B"
-            )
-            for r in s.resources:
-                lines.append(f"    {r.kind} {r.type_name} {r.key!r}: {r.nbytes} B")
-        lines.append(
-            f"  total: arena {self.arena_bytes} B + persistent "
-            f"{self.persistent_bytes} B = {self.total_bytes} B"
-        )
-        return "\n".join(lines)
 
 
 @dataclass
