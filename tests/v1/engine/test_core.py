@@ -155,9 +155,13 @@ def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
         reset_workspace_manager()
 
 
-def test_a_failed_engine_leaves_the_manager_locked(engine_factory, tmp_path):
+def test_a_failed_engine_leaves_the_manager_locked(
+    engine_factory, checkpoint, tmp_path
+):
     engine_factory(max_num_batched_tokens=16)
     manager = current_workspace_manager()
+    with pytest.raises(ValueError, match="max_model_len: expected <= the model's"):
+        EngineCore(EngineConfig(checkpoint, max_model_len=4096))  # 512 positions
     with pytest.raises(ValueError, match="max_num_seqs: expected >= 1, got 0"):
         EngineCore(EngineConfig(tmp_path, max_num_seqs=0))
     with pytest.raises(ValueError, match="model: expected a checkpoint directory"):

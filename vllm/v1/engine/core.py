@@ -101,6 +101,12 @@ class EngineCore:
             prefix=config.prefix,
         )
         assert isinstance(model, Qwen3MoeForCausalLM)
+        longest = model.config.max_position_embeddings
+        if config.max_model_len > longest:
+            raise ValueError(
+                f"max_model_len: expected <= the model's max_position_embeddings="
+                f"{longest}, got {config.max_model_len}"
+            )
         self.model = model
         if self.device.type == "cuda":
             # The peak must not count weights that loading dropped (the
