@@ -55,7 +55,6 @@ class Qwen3MoeModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> Qwen3MoeModelConfig:

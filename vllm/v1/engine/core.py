@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention, bind_kv_cache
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.transformers_utils.config import load_hf_config
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -46,7 +47,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
@@ -69,9 +70,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        # Sizes are checked before minutes of loading.
+        positions = load_hf_config(config.model).get("max_position_embeddings")
+        self.max_model_len = config.max_model_len or positions or 4096
+        if positions is not None and self.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len: expected <= the model's max_position_embeddings="
+                f"{positions}, got {self.max_model_len}"
+            )
         scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
-        )  # checked before minutes of loading
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
         torch.manual_seed(config.seed)
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device)
@@ -101,12 +110,6 @@ class EngineCore:
             prefix=config.prefix,
         )
         assert isinstance(model, Qwen3MoeForCausalLM)
-        longest = model.config.max_position_embeddings
-        if config.max_model_len > longest:
-            raise ValueError(
-                f"max_model_len: expected <= the model's max_position_embeddings="
-                f"{longest}, got {config.max_model_len}"
-            )
         self.model = model
         if self.device.type == "cuda":
             # The peak must not count weights that loading dropped (the
@@ -128,7 +131,7 @@ class EngineCore:
         ``max_num_seqs`` rows, as the steps compute them."""
         config = self.config
         budget = config.max_num_batched_tokens
-        longest = min(config.max_model_len, budget)
+        longest = min(self.max_model_len, budget)
         lens = [longest] + [longest] * ((budget - longest) // longest)
         lens += [budget % longest] if budget % longest else []
         pool = BlockPool(sum(-(-n // BLOCK_SIZE) for n in lens), BLOCK_SIZE)
@@ -162,13 +165,13 @@ class EngineCore:
             peak = torch.cuda.max_memory_allocated(self.device)
             blocks = int((config.gpu_memory_utilization * total - peak) // block_bytes)
         else:  # the CPU path is for checks: room for 16 full-length sequences
-            per_seq = -(-config.max_model_len // BLOCK_SIZE)
+            per_seq = -(-self.max_model_len // BLOCK_SIZE)
             blocks = min(config.max_num_seqs, _CPU_FULL_SEQUENCES) * per_seq
-        if blocks * BLOCK_SIZE < config.max_model_len:
+        if blocks * BLOCK_SIZE < self.max_model_len:
             raise ValueError(
                 f"gpu_memory_utilization/max_model_len: the KV cache holds "
                 f"{max(blocks, 0) * BLOCK_SIZE} tokens, fewer than max_model_len="
-                f"{config.max_model_len}"
+                f"{self.max_model_len}"
             )
         return blocks
 
@@ -190,11 +193,11 @@ class EngineCore:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
         if self.scheduler.has_request(request.request_id):
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise ValueError(
                 f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="
                 f"{request.sampling_params.max_tokens} exceed max_model_len="
-                f"{self.config.max_model_len}"
+                f"{self.max_model_len}"
             )
         if request.sampling_params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(
