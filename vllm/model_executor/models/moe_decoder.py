@@ -20,6 +20,7 @@ from torch import nn
 
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.layernorm import RMSNorm
 
 _SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,27 +49,15 @@ class MoEDecoderConfig:
         return _DTYPES[self.dtype]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.ones(size, dtype=dtype, device=device), requires_grad=False
-        )
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
-
-
 class MoEDecoderLayer(nn.Module):
     def __init__(
         self, config: MoEDecoderConfig, prefix: str, backend: str, device
     ) -> None:
         super().__init__()
         dtype = config.torch_dtype
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
         self.router = nn.Linear(
             config.hidden_size,
             config.num_experts,
@@ -113,7 +102,9 @@ class MoEDecoder(nn.Module):
             MoEDecoderLayer(config, f"{prefix}.layers.{i}", backend, device)
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
         self.lm_head = nn.Linear(
             config.hidden_size,
             config.vocab_size,
