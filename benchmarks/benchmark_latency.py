@@ -15,7 +15,6 @@ runs on a CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,28 +23,9 @@ from pathlib import Path
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
 from vllm.benchmarks.utils import copy_bandwidth_gbps, write_results
-from vllm.model_executor.model_loader.tiny_checkpoint import TINY_CONFIG
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
-
-PRESETS: dict[str, dict[str, object]] = {
-    "tiny": TINY_CONFIG,
-    "qwen3-30b-a3b": {
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "rope_theta": 1e6,
-        "tie_word_embeddings": False,
-    },
-}
 
 
 @dataclass
@@ -60,12 +40,6 @@ class LatencyRow:
     tpot_ms: float
     bound_ms: float  # bytes of a decode step over the copy bandwidth
     copy_gbps: float
-
-
-def write_config(preset: str, root: Path) -> Path:
-    config = PRESETS[preset] | {"architectures": ["Qwen3MoeForCausalLM"]}
-    (root / "config.json").write_text(json.dumps(config))
-    return root
 
 
 def decode_step_bytes(
@@ -100,7 +74,7 @@ def decode_step_bytes(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, help="a local checkpoint directory")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="tiny")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
@@ -111,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or write_config(args.preset, Path(tmp))
+        model_dir = args.model or write_preset_config(args.preset, Path(tmp))
         llm = LLM(
             model_dir,
             load_format="auto" if args.model else "dummy",

@@ -10,7 +10,7 @@ def test_matches_transformers_rotation():
     head, theta = 32, 1e6
     positions = torch.tensor([0, 1, 7, 300, 4095])
     q, k = torch.randn(5, 4, head), torch.randn(5, 2, head)
-    ours_q, ours_k = RotaryEmbedding(head, theta)(positions, q, k)
+    ours_q, ours_k = RotaryEmbedding(head, theta, 4096)(positions, q, k)
     inv = 1.0 / theta ** (torch.arange(0, head, 2).float() / head)
     angles = torch.cat([positions[:, None] * inv] * 2, dim=-1)
     # transformers' layout: [batch, heads, tokens, head_size]
@@ -24,4 +24,4 @@ def test_matches_transformers_rotation():
     torch.testing.assert_close(ours_k, their_k[0].transpose(0, 1))
     assert torch.equal(ours_q[0], q[0])  # position 0 is not rotated
     with pytest.raises(ValueError, match="head_size: expected an even number"):
-        RotaryEmbedding(31, theta)
+        RotaryEmbedding(31, theta, 4096)

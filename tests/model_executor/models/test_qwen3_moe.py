@@ -186,7 +186,7 @@ def test_paged_steps_equal_full_recompute(checkpoint):
         meta = PagedAttentionMetadata.build(pool, chunks, "cpu")
         with torch.no_grad(), set_forward_context(meta):
             logits = model.compute_logits(model(token_ids, positions))
-        ends = torch.tensor(meta.query_lens).cumsum(0) - 1
+        ends = meta.query_start_loc[1:].long() - 1
         for (r, _, e), last in zip(chunks, logits[ends], strict=True):
             if e == len(seqs[r]):  # the request's whole sequence is cached
                 full = our_logits(model, seqs[r])[-1]

@@ -2,7 +2,8 @@
 
 In a batched step (:func:`vllm.forward_context.set_forward_context` with
 paged-attention metadata) it stores the step's keys and values in its KV
-cache, bound with :func:`bind_kv_cache`, and attends per request. Called
+cache, bound with :func:`bind_kv_cache`, and attends per request: in
+Triton on CUDA, in plain PyTorch (the oracle) on CPU. Called
 outside such a step it runs one sequence without a cache (all ``T`` tokens
 attend to those before them): a model's plain forward, e.g. for checks.
 """
@@ -13,7 +14,13 @@ import torch
 from torch import nn
 
 from vllm.forward_context import current_attn_metadata
-from vllm.v1.attention.backends.torch_paged import attend, paged_attention
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.v1.attention.backends.torch_paged import (
+    attend,
+    paged_attention,
+    write_kv_cache,
+)
+from vllm.v1.attention.backends.triton_paged import triton_paged_attention
 
 
 class Attention(nn.Module):
@@ -40,7 +47,19 @@ class Attention(nn.Module):
             return attend(q, k, v, self.scale, 0)
         if self.kv_cache is None:
             raise RuntimeError("attention: a batched step needs a bound KV cache")
-        return paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        write_kv_cache(self.kv_cache, k, v, meta.slot_mapping)
+        if not runs_gpu_kernels(q):
+            return paged_attention(q, self.kv_cache, meta, self.scale)
+        return triton_paged_attention(
+            q,
+            self.kv_cache[0],
+            self.kv_cache[1],
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            self.scale,
+        )
 
 
 def bind_kv_cache(

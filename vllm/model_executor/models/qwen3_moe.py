@@ -54,6 +54,7 @@ class Qwen3MoeModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
 
     @classmethod
@@ -126,7 +127,9 @@ class Qwen3MoeAttention(nn.Module):
         self.o_proj = _linear(self.num_heads * d, h, args)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
-        self.rotary_emb = RotaryEmbedding(d, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(
+            d, config.rope_theta, config.max_position_embeddings, device
+        )
         self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

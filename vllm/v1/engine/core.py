@@ -5,9 +5,9 @@ Construction follows the lifecycle: init the workspace manager -> load the
 model -> a profile run at the largest token budget (the MoE layers' scratch
 and workspaces grow to it) -> size the KV cache (``gpu_memory_utilization``
 of the GPU after the profile run's peak; on the CPU room for 16 sequences of
-``max_model_len``) -> lock
-the manager. After that a step that would need new workspace is an error.
-Every step runs eagerly (CUDA graphs for decode come later).
+``max_model_len``) -> capture CUDA graphs for decode batches -> lock the
+manager. After that a step that would need new workspace is an error. The
+model runs in a :class:`~vllm.v1.worker.gpu_model_runner.GPUModelRunner`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from pathlib import Path
 
 import torch
 
-from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention, bind_kv_cache
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.transformers_utils.config import load_hf_config
-from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from vllm.v1.core.scheduler import Scheduler, SchedulerConfig
 from vllm.v1.request import Request
 from vllm.v1.sample.sampler import sample
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
     init_workspace_manager,
@@ -37,8 +35,6 @@ from vllm.v1.worker.workspace import (
 logger = init_logger(__name__)
 
 BLOCK_SIZE = 16
-_PROFILE_SEQ_LEN = 512  # the profile run's sequences: attention stays small
-_CPU_FULL_SEQUENCES = 16
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed KV cache size (tests, CPU)
     moe_backend: str = "auto"
     quantization: str | None = None  # "fp8" or "w4a16", applied while loading
-    enforce_eager: bool = False  # every step runs eagerly until decode graphs land
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process
 
@@ -116,64 +112,29 @@ class EngineCore:
             # full-precision experts that quantization replaced).
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        num_blocks = self._num_kv_blocks()
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
-        bind_kv_cache(self.model, num_blocks, BLOCK_SIZE)
-        self.scheduler = Scheduler(scheduler_config, self.pool)
-
-    # -- setup ---------------------------------------------------------------
-
-    def _profile_run(self) -> None:
-        """One step of ``max_num_batched_tokens`` dummy tokens, the largest
-        batch the engine runs: one sequence as long as a step can compute
-        (the attention's peak), the rest in others; logits for at most
-        ``max_num_seqs`` rows, as the steps compute them."""
-        config = self.config
-        budget = config.max_num_batched_tokens
-        longest = min(self.max_model_len, budget)
-        lens = [longest] + [longest] * ((budget - longest) // longest)
-        lens += [budget % longest] if budget % longest else []
-        pool = BlockPool(sum(-(-n // BLOCK_SIZE) for n in lens), BLOCK_SIZE)
-        for i, n in enumerate(lens):
-            pool.allocate(str(i), n)
-        bind_kv_cache(self.model, pool.num_blocks, BLOCK_SIZE)
-        meta = PagedAttentionMetadata.build(
-            pool, [(str(i), 0, n) for i, n in enumerate(lens)], self.device
+        self.runner = GPUModelRunner(
+            model,
+            self.device,
+            BLOCK_SIZE,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.enforce_eager,
         )
-        ids = torch.zeros(budget, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        rows = min(config.max_num_seqs, budget)
-        with torch.inference_mode(), set_forward_context(meta):
-            self.model.compute_logits(self.model(ids, positions)[-rows:])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _num_kv_blocks(self) -> int:
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        itemsize = next(self.model.parameters()).element_size()
-        block_bytes = sum(
-            2 * BLOCK_SIZE * m.num_kv_heads * m.head_size * itemsize for m in layers
+        self.runner.profile_run()
+        num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(
+            config.gpu_memory_utilization
         )
-        for layer in layers:
-            layer.kv_cache = None  # the profile run's cache goes first
-        config = self.config
-        if config.num_kv_blocks is not None:
-            blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            peak = torch.cuda.max_memory_allocated(self.device)
-            blocks = int((config.gpu_memory_utilization * total - peak) // block_bytes)
-        else:  # the CPU path is for checks: room for 16 full-length sequences
-            per_seq = -(-self.max_model_len // BLOCK_SIZE)
-            blocks = min(config.max_num_seqs, _CPU_FULL_SEQUENCES) * per_seq
-        if blocks * BLOCK_SIZE < self.max_model_len:
+        if num_blocks * BLOCK_SIZE < self.max_model_len:
             raise ValueError(
                 f"gpu_memory_utilization/max_model_len: the KV cache holds "
-                f"{max(blocks, 0) * BLOCK_SIZE} tokens, fewer than max_model_len="
-                f"{self.max_model_len}"
+                f"{max(num_blocks, 0) * BLOCK_SIZE} tokens, fewer than "
+                f"max_model_len={self.max_model_len}"
             )
-        return blocks
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs()
+        self.scheduler = Scheduler(scheduler_config, self.pool)
 
     # -- requests ------------------------------------------------------------
 
@@ -220,32 +181,16 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler: requests wait but none can run")
             return []
-        logits = self._execute(chunks)
         sampling = [c for c in chunks if c.samples]
-        if sampling:
+        with self.runner.on_stream():  # the step's logits are read there
+            logits = self.runner.execute(chunks, self.pool)
             tokens = sample(
                 logits,
                 [c.request.sampling_params for c in sampling],
                 [c.request.generator for c in sampling],
             )
-            for chunk, token in zip(sampling, tokens, strict=True):
-                chunk.request.append_token(
-                    token.token_id, token.logprob, token.top_logprobs
-                )
+        for chunk, token in zip(sampling, tokens, strict=True):
+            chunk.request.append_token(
+                token.token_id, token.logprob, token.top_logprobs
+            )
         return self.scheduler.finish_step(chunks)
-
-    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits of the last token of every chunk that samples."""
-        ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(c.start, c.end) for c in chunks])
-        meta = PagedAttentionMetadata.build(
-            self.pool,
-            [(c.request.request_id, c.start, c.end) for c in chunks],
-            self.device,
-        )
-        ends = torch.tensor(meta.query_lens).cumsum(0) - 1
-        rows = ends[torch.tensor([c.samples for c in chunks])].to(self.device)
-        with torch.inference_mode(), set_forward_context(meta):
-            hidden = self.model(input_ids, positions.to(self.device))
-            return self.model.compute_logits(hidden[rows])

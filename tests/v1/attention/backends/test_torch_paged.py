@@ -4,6 +4,7 @@ from vllm.v1.attention.backends.torch_paged import (
     PagedAttentionMetadata,
     attend,
     paged_attention,
+    write_kv_cache,
 )
 from vllm.v1.core.block_pool import BlockPool
 
@@ -33,7 +34,8 @@ def test_mixed_batch_equals_each_sequence_alone():
     for chunks in (first, step):
         meta = PagedAttentionMetadata.build(pool, chunks, "cpu")
         q, k, v = (torch.cat([seqs[r][i][s:e] for r, s, e in chunks]) for i in range(3))
-        out = paged_attention(q, k, v, cache, meta, d**-0.5)
+        write_kv_cache(cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, cache, meta, d**-0.5)
     start = 0
     for r, s, e in step:
         q, k, v = seqs[r]

@@ -1,0 +1,189 @@
+"""Offline throughput: many requests of random token ids through
+``LLM.generate`` (continuous batching, CUDA-graph decode), against the same
+workload's first requests through ``transformers``' ``generate`` in the same
+run (``--hf-requests``; 0 skips it).
+
+Without ``--model`` the model is a preset's shapes with dummy weights, e.g.
+on a GPU:
+
+    python benchmarks/benchmark_throughput.py --preset qwen3-30b-a3b \
+        --num-prompts 1000 --input-len 512 --output-len 256 --hf-requests 64
+
+The default ``tiny`` preset runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
+from vllm.benchmarks.utils import write_results
+from vllm.transformers_utils.config import load_hf_config
+from vllm.v1.worker.workspace import current_workspace_manager
+
+
+@dataclass
+class ThroughputRow:
+    engine: str
+    model: str
+    dtype: str
+    quantization: str | None
+    requests: int
+    input_len: int
+    output_len: int
+    seconds: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]):
+    llm = LLM(
+        model_dir,
+        load_format="auto" if args.model else "dummy",
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[: min(len(prompts), 4)], params)  # warm-up
+    device = llm.engine.device
+    _synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
+    report = current_workspace_manager().memory_report()
+    kv_bytes = llm.engine.pool.num_blocks * llm.engine.runner.kv_block_bytes()
+    print(
+        f"KV cache: {llm.engine.pool.num_blocks} blocks of 16 tokens "
+        f"({kv_bytes / 2**30:.2f} GiB); workspace at lock: {report.total_bytes} bytes"
+    )
+    del llm
+    gc.collect()
+    return seconds
+
+
+def run_transformers(
+    args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
+) -> float:
+    """``generate`` on a batch of the prompts (all of one length: no
+    padding), greedy, exactly ``output_len`` new tokens; random weights
+    when the model is a preset."""
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    if args.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), torch_dtype=dtype
+        ).to(device)
+    else:
+        with device:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, torch_dtype=dtype
+            )
+    ids = torch.tensor(prompts, device=device)
+    generate = dict(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    model.generate(ids[:1], **generate | {"max_new_tokens": 2, "min_new_tokens": 2})
+    _synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **generate)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    assert out.shape[1] == args.input_len + args.output_len
+    del model
+    gc.collect()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, help="a local checkpoint directory")
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="tiny")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf-requests", type=int, default=0)
+    parser.add_argument("--output-json", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.model.name if args.model else args.preset
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or write_preset_config(args.preset, Path(tmp))
+        vocab = load_hf_config(model_dir)["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(
+            0, vocab, (args.num_prompts, args.input_len), generator=gen
+        ).tolist()
+        runs = [("ours", len(prompts), run_ours(args, model_dir, prompts))]
+        if args.hf_requests:
+            hf = prompts[: args.hf_requests]
+            runs.append(
+                ("transformers", len(hf), run_transformers(args, model_dir, hf))
+            )
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {device_name}")
+    print(
+        f"model {name} ({args.dtype}, {args.quantization or 'unquantized'}), "
+        f"{args.input_len} in / {args.output_len} out per request"
+    )
+    print(
+        f"{'engine':<13} {'requests':>8} {'seconds':>9} {'out tok/s':>11} {'tok/s':>11}"
+    )
+    rows = []
+    for engine, n, seconds in runs:
+        out_rate = n * args.output_len / seconds
+        total_rate = n * (args.input_len + args.output_len) / seconds
+        print(
+            f"{engine:<13} {n:>8} {seconds:>9.2f} {out_rate:>11.1f} {total_rate:>11.1f}"
+        )
+        rows.append(
+            ThroughputRow(
+                engine,
+                name,
+                args.dtype,
+                args.quantization,
+                n,
+                args.input_len,
+                args.output_len,
+                seconds,
+                out_rate,
+                total_rate,
+            )
+        )
+    if len(rows) == 2:
+        ratio = rows[0].output_tokens_per_s / rows[1].output_tokens_per_s
+        print(f"ours / transformers (output tokens/s): {ratio:.1f}x")
+    write_results(args.output_json, device_name, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The Triton paged attention against the plain-PyTorch one (its oracle), on
+CPU tensors under ``TRITON_INTERPRET=1``, or on CUDA where there is one."""
+
+import pytest
+import torch
+
+from vllm.v1.attention.backends.torch_paged import (
+    PagedAttentionMetadata,
+    paged_attention,
+    write_kv_cache,
+)
+from vllm.v1.attention.backends.triton_paged import (
+    num_kv_splits,
+    triton_paged_attention,
+)
+from vllm.v1.core.block_pool import BlockPool
+
+
+def _step(heads, kv_heads, d, page, chunks, lens, device, dtype=torch.float32):
+    """A cache holding ``lens`` tokens per request (NaN in every slot never
+    written) and one step's batch of ``chunks``; returns the inputs of both
+    backends."""
+    pool = BlockPool(
+        num_blocks=sum(-(-n // page) for n in lens.values()) + 2, block_size=page
+    )
+    for r in sorted(lens, reverse=True):  # tables interleave with the order
+        pool.allocate(r, lens[r])
+    cache = torch.full(
+        (2, pool.num_blocks, page, kv_heads, d),
+        float("nan"),
+        dtype=dtype,
+        device=device,
+    )
+    for r, n in lens.items():  # earlier steps cached everything
+        meta = PagedAttentionMetadata.build(pool, [(r, 0, n)], device)
+        k, v = (torch.randn(n, kv_heads, d, device=device, dtype=dtype) for _ in "kv")
+        write_kv_cache(cache, k, v, meta.slot_mapping)
+    meta = PagedAttentionMetadata.build(pool, chunks, device)
+    q = torch.randn(
+        int(meta.slot_mapping.numel()), heads, d, device=device, dtype=dtype
+    )
+    return q, cache, meta
+
+
+def _run(q, cache, meta, scale):
+    return triton_paged_attention(
+        q,
+        cache[0],
+        cache[1],
+        meta.block_table,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        scale,
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"), [(4, 2, 16), (6, 2, 24), (4, 4, 32)]
+)
+def test_mixed_batch_matches_torch(device, heads, kv_heads, d):
+    """A prefill chunk continuing a cached prefix, a whole prefill longer
+    than one KV tile, a decode token and a one-token chunk: GQA groups of 2,
+    3 and 1, head sizes that are and are not powers of two."""
+    torch.manual_seed(0)
+    lens = {"a": 30, "b": 70, "c": 9, "d": 5}
+    chunks = [("a", 19, 30), ("b", 0, 70), ("c", 8, 9), ("d", 4, 5)]
+    q, cache, meta = _step(heads, kv_heads, d, 4, chunks, lens, device)
+    ref = paged_attention(q, cache, meta, d**-0.5)
+    torch.testing.assert_close(_run(q, cache, meta, d**-0.5), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_decode_with_split_kv_matches_torch(device, num_seqs):
+    """Decode batches small enough that each request's KV range is split
+    over several programs (some of them empty) and combined."""
+    torch.manual_seed(1)
+    lens = {str(i): n for i, n in enumerate([150, 1, 77][:num_seqs])}
+    chunks = [(r, n - 1, n) for r, n in lens.items()]
+    q, cache, meta = _step(4, 2, 16, 16, chunks, lens, device)
+    assert num_kv_splits(num_seqs, 2, 1, q.device) > 1
+    ref = paged_attention(q, cache, meta, 0.3)
+    torch.testing.assert_close(_run(q, cache, meta, 0.3), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("decode", [True, False])
+def test_bf16_qwen3_heads_match_torch_on_gpu(decode):
+    """Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide), cache blocks of 16,
+    bf16: within bf16 rounding of the torch path (which rounds the scores
+    to bf16 before the softmax; the kernel keeps them in fp32)."""
+    torch.manual_seed(2)
+    lens = {str(i): 100 + 37 * i for i in range(24)}
+    chunks = [
+        (r, n - 1 if decode or i % 2 else n - 60, n)
+        for i, (r, n) in enumerate(lens.items())
+    ]
+    q, cache, meta = _step(32, 4, 128, 16, chunks, lens, "cuda", torch.bfloat16)
+    ref = paged_attention(q.float(), cache.float(), meta, 128**-0.5)
+    out = _run(q, cache, meta, 128**-0.5).float()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_no_tokens_and_bad_metadata(device):
+    q, cache, meta = _step(4, 2, 16, 4, [("a", 0, 3)], {"a": 3}, device)
+    empty = triton_paged_attention(
+        q[:0],
+        cache[0],
+        cache[1],
+        meta.block_table[:0],
+        meta.seq_lens[:0],
+        meta.query_start_loc[:1],
+        1,
+        1.0,
+    )
+    assert empty.shape == (0, 64)
+    with pytest.raises(ValueError, match="seq_lens: expected a contiguous 1-D int32"):
+        triton_paged_attention(
+            q,
+            cache[0],
+            cache[1],
+            meta.block_table,
+            meta.seq_lens.long(),
+            meta.query_start_loc,
+            3,
+            1.0,
+        )
+    with pytest.raises(ValueError, match="key_cache: expected"):
+        triton_paged_attention(
+            q,
+            cache[0, ..., :8],
+            cache[1, ..., :8],
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            3,
+            1.0,
+        )
+    with pytest.raises(ValueError, match="query_start_loc/block_table"):
+        triton_paged_attention(
+            q,
+            cache[0],
+            cache[1],
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc[:1],
+            3,
+            1.0,
+        )

@@ -1,0 +1,311 @@
+"""Paged attention in Triton: one kernel for a batch that mixes prefill
+chunks and decode tokens (the GPU path; ``torch_paged`` is its oracle).
+
+A program takes ``BLOCK_Q`` consecutive query tokens of one request and all
+query heads that share one KV head (grouped-query attention: the K/V tiles
+are loaded once for the group), so its rows are (token, head) pairs. It
+walks the request's KV tiles through the block table with an online softmax
+in fp32, stopping at the causal limit of its last token. Programs are laid
+out over the batch's query blocks without padding every request to the
+longest: program ``p`` finds its request by a binary search over
+``query_start_loc``.
+
+Decode batches with few requests would leave most SMs idle (one program per
+request and KV head), so the launcher splits each request's KV range over
+``num_splits`` programs that write partial outputs and log-sum-exps, and a
+second kernel combines them. The split count depends only on host-known
+sizes (requests, heads, longest query), so a captured CUDA graph keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.kernels.common.device_info import num_sms
+
+_MAX_SPLITS = 64
+_KV_TILE = 64  # tokens per KV tile (several cache blocks)
+_PREFILL_ROWS = 128  # (token, head) rows per program in batches with prefill
+
+
+@triton.jit
+def _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The request whose query blocks include program ``pid``: the last
+    ``i`` with ``query_start[i] // BLOCK_Q + i <= pid``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, H, D] (strided), or partials [T, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [T, H, NUM_SPLITS] fp32 (NUM_SPLITS > 1 only)
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, PAGE, KVH, D]
+    v_cache_ptr,
+    block_table_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_ptr,  # [B + 1] int32
+    num_seqs,
+    qk_scale,  # softmax scale * log2(e): exponentials in base 2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (as the oracle), not tf32
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    q_pos = context + token
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr
+        + (q_start + token)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # KV tiles up to the causal limit of this block's last token, this
+    # split's share of them.
+    kv_len = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * BLOCK_N + cols
+        kv_ok = kv_pos < kv_len
+        block = tl.load(
+            block_table_ptr + seq * stride_bt + kv_pos // PAGE, mask=kv_ok, other=0
+        )
+        offs = (
+            block.to(tl.int64)[:, None] * stride_cb
+            + (kv_pos % PAGE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + d[None, :]
+        )
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(kv_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: no keys
+    out = acc / l_safe[:, None]
+    t = (q_start + token).to(tl.int64)
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        num_heads = GROUP * tl.num_programs(1)
+        row = (t * num_heads + head) * NUM_SPLITS + split
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # [T, H, D]
+    partial_ptr,  # [T, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [T, H, NUM_SPLITS] fp32, base 2
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = (t * num_heads + h) * NUM_SPLITS
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D_PAD)
+    lse = tl.load(lse_ptr + row + s)
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
+    part = tl.load(
+        partial_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=(weight > 0.0)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device
+) -> int:
+    """Split-KV programs per (request, KV head): enough to give every SM a
+    program in decode batches; none once prefill blocks fill the GPU."""
+    if max_query_len > 1:
+        return 1
+    wanted = -(-num_sms(device) // (num_seqs * num_kv_heads))
+    return min(_MAX_SPLITS, 1 << (wanted - 1).bit_length())
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q`` [T, H, D] (the batch's new tokens, request after
+    request) over the paged caches [num_blocks, block_size, KVH, D], whose
+    slots for the new tokens are already written; returns [T, H * D].
+    ``max_query_len`` must bound every request's new tokens."""
+    tokens, heads, head_dim = q.shape
+    _, page, kv_heads, cache_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(
+            f"key_cache: expected [blocks, page, kv_heads dividing {heads}, "
+            f"{head_dim}], got {tuple(key_cache.shape)}"
+        )
+    if key_cache.dtype != q.dtype or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache/key_cache: expected {q.dtype} and equal shapes, got "
+            f"{key_cache.dtype} {tuple(key_cache.shape)} and {value_cache.dtype} "
+            f"{tuple(value_cache.shape)}"
+        )
+    for name, t, dims in (
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
+        if t.dtype != torch.int32 or t.dim() != dims or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous {dims}-D int32 tensor, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
+        raise ValueError(
+            f"query_start_loc/block_table: expected {num_seqs + 1} entries and "
+            f">= {num_seqs} rows, got {query_start_loc.shape[0]} and "
+            f"{block_table.shape[0]}"
+        )
+    if max_query_len < 1 or q.stride(2) != 1:
+        raise ValueError(
+            f"q/max_query_len: expected unit-stride heads and >= 1, got "
+            f"{q.stride()} and {max_query_len}"
+        )
+    out = q.new_empty(tokens, heads, head_dim)
+    if tokens == 0:
+        return out.view(0, heads * head_dim)
+    group = heads // kv_heads
+    block_q = 1 if max_query_len == 1 else max(1, _PREFILL_ROWS // group)
+    splits = num_kv_splits(num_seqs, kv_heads, max_query_len, q.device)
+    if splits > 1:
+        partial = torch.empty(
+            tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        partial, lse = out, out  # lse unused
+    # Every request's query blocks fit in T // BLOCK_Q + B programs.
+    grid = (tokens // block_q + num_seqs, kv_heads, splits)
+    d_pad = triton.next_power_of_2(head_dim)
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    _paged_attention_kernel[grid](
+        partial,
+        lse,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=page,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=_KV_TILE,
+        NUM_SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 128 else 4,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(tokens, heads)](
+            out,
+            partial,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=splits,
+        )
+    return out.view(tokens, heads * head_dim)

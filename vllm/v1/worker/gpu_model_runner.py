@@ -1,0 +1,257 @@
+"""The engine's model runner: turns a step's scheduled chunks into logits.
+
+Lifecycle (the engine calls these in order, then locks the workspace
+manager): ``profile_run`` (one step at the largest token budget: the MoE
+scratch and workspaces grow to it, and its peak sizes the KV cache) ->
+``initialize_kv_cache`` -> ``capture_decode_graphs`` (CUDA only, unless
+``enforce_eager``).
+
+Every GPU step, eager or replayed, runs on the runner's own stream, the one
+it warmed up and captured on: the lock buffers of the Marlin and Humming
+experts are per stream, and after lock the manager hands out no others.
+Callers wrap each step and what reads its logits in ``on_stream()``.
+
+Pure-decode steps (every request computes one token) of up to the largest
+captured size replay a CUDA graph captured at the next size up; the padding
+rows are requests of one token whose key and value go to the null block,
+one cache block past the pool's (no request ever owns it). The graphs read
+the step from persistent input buffers that every step fills.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention, bind_kv_cache
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.scheduler import ScheduledChunk
+
+logger = init_logger(__name__)
+
+_CPU_FULL_SEQUENCES = 16
+
+
+def decode_capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes captured for decode, largest first: 1, 2, 4, then every
+    multiple of 8, up to ``max_num_seqs`` (itself included)."""
+    sizes = {n for n in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if n <= max_num_seqs}
+    return sorted(sizes | {max_num_seqs}, reverse=True)
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [size, vocab], rewritten by every replay
+
+
+class GPUModelRunner:
+    def __init__(
+        self,
+        model: Qwen3MoeForCausalLM,
+        device: torch.device,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enforce_eager: bool,
+    ) -> None:
+        self.model, self.device, self.block_size = model, device, block_size
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enforce_eager = enforce_eager
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:  # the weights were written on the default one
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        tokens, seqs = max_num_batched_tokens, max_num_seqs
+        max_blocks = -(-max_model_len // block_size)
+        with self.on_stream():
+            self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+            self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
+            self.slot_mapping = torch.zeros(tokens, dtype=torch.long, device=device)
+            self.query_start_loc = torch.zeros(
+                seqs + 1, dtype=torch.int32, device=device
+            )
+            self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(
+                seqs, max_blocks, dtype=torch.int32, device=device
+            )
+        self.null_block = -1  # set with the KV cache
+        self.graphs: dict[int, _DecodeGraph] = {}
+
+    def on_stream(self) -> AbstractContextManager[object]:
+        return (
+            torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        )
+
+    # -- setup ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One step of ``max_num_batched_tokens`` dummy tokens, the largest
+        batch the engine runs: sequences as long as a step computes (the
+        attention's peak); logits for at most ``max_num_seqs`` rows, as the
+        steps compute them."""
+        budget = self.max_num_batched_tokens
+        longest = min(self.max_model_len, budget)
+        lens = [longest] * (budget // longest)
+        lens += [budget % longest] if budget % longest else []
+        pool = BlockPool(sum(-(-n // self.block_size) for n in lens), self.block_size)
+        for i, n in enumerate(lens):
+            pool.allocate(str(i), n)
+        with self.on_stream():
+            bind_kv_cache(self.model, pool.num_blocks, self.block_size)
+            meta = PagedAttentionMetadata.build(
+                pool, [(str(i), 0, n) for i, n in enumerate(lens)], self.device
+            )
+            ids = torch.zeros(budget, dtype=torch.long, device=self.device)
+            positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+            rows = min(self.max_num_seqs, budget)
+            with set_forward_context(meta):
+                self.model.compute_logits(self.model(ids, positions)[-rows:])
+        self._synchronize()
+        for layer in self._attention_layers():
+            layer.kv_cache = None  # the profile run's cache goes first
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block of every layer's keys and values."""
+        itemsize = next(self.model.parameters()).element_size()
+        return sum(
+            2 * self.block_size * m.num_kv_heads * m.head_size * itemsize
+            for m in self._attention_layers()
+        )
+
+    def num_kv_blocks(self, gpu_memory_utilization: float) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU after the
+        profile run's peak (one kept back for the null block); on the CPU,
+        room for 16 sequences of ``max_model_len``."""
+        if self.device.type != "cuda":
+            per_seq = -(-self.max_model_len // self.block_size)
+            return min(self.max_num_seqs, _CPU_FULL_SEQUENCES) * per_seq
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return int((gpu_memory_utilization * total - peak) // self.kv_block_bytes()) - 1
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Caches of ``num_blocks`` pool blocks plus the null block."""
+        with self.on_stream():
+            bind_kv_cache(self.model, num_blocks + 1, self.block_size)
+        self.null_block = num_blocks
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """One graph per decode size, largest first (they share one memory
+        pool), each warmed up eagerly first: the capture sees no first-time
+        allocation or compilation."""
+        if self.stream is None or self.enforce_eager:
+            return
+        sizes = decode_capture_sizes(
+            min(self.max_num_seqs, self.max_num_batched_tokens)
+        )
+        pool = None
+        with self.on_stream():
+            for size in sizes:
+                self._fill_decode_padding(0, size)
+                meta = self._metadata(size, size, max_query_len=1)
+                self._forward_logits(size, meta)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    logits = self._forward_logits(size, meta)
+                pool = graph.pool()
+                self.graphs[size] = _DecodeGraph(graph, logits)
+        self._synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+
+    # -- steps ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], pool: BlockPool) -> torch.Tensor:
+        """Logits [chunks that sample, vocab] of the step's ``chunks``, whose
+        blocks ``pool`` holds. Call inside ``on_stream()``."""
+        num_seqs = len(chunks)
+        num_tokens = self._fill_inputs(chunks, pool)
+        ends = self.query_start_loc[1 : num_seqs + 1] - 1
+        rows = ends[torch.tensor([c.samples for c in chunks], device=self.device)]
+        decode = num_tokens == num_seqs
+        size = min((s for s in self.graphs if s >= num_seqs), default=None)
+        if decode and size is not None:
+            self._fill_decode_padding(num_seqs, size)
+            entry = self.graphs[size]
+            entry.graph.replay()
+            return entry.logits[rows]
+        meta = self._metadata(
+            num_seqs, num_tokens, max(c.end - c.start for c in chunks)
+        )
+        with set_forward_context(meta):
+            hidden = self.model(
+                self.input_ids[:num_tokens], self.positions[:num_tokens]
+            )
+            return self.model.compute_logits(hidden[rows])
+
+    def _fill_inputs(self, chunks: list[ScheduledChunk], pool: BlockPool) -> int:
+        """Write the step into the persistent buffers; returns its tokens."""
+        ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        query_lens = torch.tensor([c.end - c.start for c in chunks])
+        starts = torch.tensor([c.start for c in chunks])
+        tables = [pool.block_table(c.request.request_id) for c in chunks]
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        # Per token: its request, its position, its cache slot.
+        query_start = torch.cat(
+            [torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]
+        )
+        request = torch.repeat_interleave(torch.arange(len(chunks)), query_lens)
+        positions = starts[request] + torch.arange(len(ids)) - query_start[request]
+        slots = table[request, positions // self.block_size] * self.block_size + (
+            positions % self.block_size
+        )
+        n, num_tokens = len(chunks), len(ids)
+        self.input_ids[:num_tokens].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
+        self.query_start_loc[: n + 1].copy_(query_start, non_blocking=True)
+        self.seq_lens[:n].copy_(starts + query_lens, non_blocking=True)
+        self.block_table[:n, :width].copy_(table, non_blocking=True)
+        return num_tokens
+
+    def _fill_decode_padding(self, start: int, size: int) -> None:
+        """Rows ``start:size`` of a decode batch: one token each at position
+        0, its key and value in the null block."""
+        self.input_ids[start:size] = 0
+        self.positions[start:size] = 0
+        self.slot_mapping[start:size] = self.null_block * self.block_size
+        self.seq_lens[start:size] = 1
+        self.block_table[start:size, 0] = self.null_block
+        self.query_start_loc[start + 1 : size + 1] = torch.arange(
+            start + 1, size + 1, dtype=torch.int32
+        )
+
+    def _metadata(
+        self, num_seqs: int, num_tokens: int, max_query_len: int
+    ) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata(
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            block_table=self.block_table[:num_seqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_size=self.block_size,
+            max_query_len=max_query_len,
+        )
+
+    def _forward_logits(self, size: int, meta: PagedAttentionMetadata) -> torch.Tensor:
+        with set_forward_context(meta):
+            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            return self.model.compute_logits(hidden)
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
