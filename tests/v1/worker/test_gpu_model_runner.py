@@ -42,7 +42,7 @@ def _requests(engine: EngineCore, n: int, max_tokens: int) -> list[Request]:
     requests = [
         Request(
             f"r{i}",
-            torch.randint(0, 320, (5 + 7 * i,), generator=gen).tolist(),
+            torch.randint(0, 320, (5 + 6 * i,), generator=gen).tolist(),
             SamplingParams(temperature=0, max_tokens=max_tokens),
         )
         for i in range(n)
@@ -68,21 +68,21 @@ def test_step_inputs_match_the_pool(checkpoint):
         pool, runner = engine.pool, engine.runner
         chunks = [
             ScheduledChunk(requests[0], 2, 5),
-            ScheduledChunk(requests[2], 0, 19),
-            ScheduledChunk(requests[1], 11, 12),
+            ScheduledChunk(requests[2], 0, 17),
+            ScheduledChunk(requests[1], 10, 11),
         ]
         num_tokens = runner._fill_inputs(chunks, pool)
         ref = PagedAttentionMetadata.build(
             pool, [(c.request.request_id, c.start, c.end) for c in chunks], "cpu"
         )
-        assert num_tokens == 23
-        torch.testing.assert_close(runner.slot_mapping[:23], ref.slot_mapping)
+        assert num_tokens == 21
+        torch.testing.assert_close(runner.slot_mapping[:21], ref.slot_mapping)
         torch.testing.assert_close(runner.query_start_loc[:4], ref.query_start_loc)
         torch.testing.assert_close(runner.seq_lens[:3], ref.seq_lens)
         width = ref.block_table.shape[1]
         torch.testing.assert_close(runner.block_table[:3, :width], ref.block_table)
-        expected = [*range(2, 5), *range(19), 11]
-        assert runner.positions[:23].tolist() == expected
+        expected = [*range(2, 5), *range(17), 10]
+        assert runner.positions[:21].tolist() == expected
     finally:
         reset_workspace_manager()
 

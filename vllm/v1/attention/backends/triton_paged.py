@@ -27,9 +27,9 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.device_info import num_sms
 
-_MAX_SPLITS = 64
+_MAX_SPLITS = 32
 _KV_TILE = 64  # tokens per KV tile (several cache blocks)
-_PREFILL_ROWS = 128  # (token, head) rows per program in batches with prefill
+_PREFILL_ROWS = 64  # (token, head) rows per program in batches with prefill
 
 
 @triton.jit
@@ -294,7 +294,6 @@ def triton_paged_attention(
         BLOCK_N=_KV_TILE,
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4,
     )
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](
