@@ -15,3 +15,13 @@ def debug_workspace() -> bool:
 def logging_level() -> str:
     """VLLM_LOGGING_LEVEL sets the package's log level (default INFO)."""
     return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+
+
+def master_addr() -> str | None:
+    """MASTER_ADDR: the rendezvous host of ``env://`` process-group setup."""
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def master_port() -> str | None:
+    """MASTER_PORT: the rendezvous port of ``env://`` process-group setup."""
+    return os.environ.get("MASTER_PORT") or None

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm.model_executor.kernels.common.activation_quant import ACTIVATIONS
+from vllm.model_executor.layers.fused_moe.expert_placement import ExpertPlacement
 
 
 class QuantScheme(enum.Enum):
@@ -73,16 +75,16 @@ class FusedMoEConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise bad("activation", f"one of {ACTIVATIONS}", self.activation)
-        if self.ep_size < 1 or self.num_experts % self.ep_size:
-            raise bad(
-                "ep_size", f"a divisor of num_experts={self.num_experts}", self.ep_size
-            )
-        if not 0 <= self.ep_rank < self.ep_size:
-            raise bad("ep_rank", f"0..{self.ep_size - 1}", self.ep_rank)
+        _ = self.placement  # checks ep_size and ep_rank
+
+    @functools.cached_property  # num_local_experts is read on every forward
+    def placement(self) -> ExpertPlacement:
+        """This rank's experts under linear placement."""
+        return ExpertPlacement(self.num_experts, self.ep_size, self.ep_rank)
 
     @property
     def num_local_experts(self) -> int:
-        return self.num_experts // self.ep_size
+        return self.placement.num_local_experts
 
     @property
     def w13_rows(self) -> int:
@@ -90,11 +92,4 @@ class FusedMoEConfig:
 
     def make_expert_map(self, device: torch.device | str) -> torch.Tensor | None:
         """Global id -> local id on this rank, -1 elsewhere (None without EP)."""
-        if self.ep_size == 1:
-            return None
-        expert_map = torch.full((self.num_experts,), -1, dtype=torch.int32)
-        start = self.ep_rank * self.num_local_experts
-        expert_map[start : start + self.num_local_experts] = torch.arange(
-            self.num_local_experts, dtype=torch.int32
-        )
-        return expert_map.to(device)
+        return self.placement.expert_map(device)

@@ -4,6 +4,13 @@
 under ``torch.compile`` that op is a leaf with a fake implementation, so every
 workspace, scratch and lock lookup inside the experts happens at execution
 time, in whichever slot and stream the call runs.
+
+Expert parallelism: a layer given an expert-parallel group (``ep_group``,
+whose size and rank must be ``moe.ep_size`` / ``moe.ep_rank``) holds only its
+rank's experts (linear placement, :mod:`.expert_placement`), loads only their
+weights, and exchanges tokens with the other ranks through the
+``all2all_backend`` chosen by name (:mod:`.prepare_finalize`). Without a group
+a layer with ``ep_size`` > 1 computes its local experts' share only.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import weakref
 import torch
 from torch import nn
 
+from vllm.distributed import GroupCoordinator
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
@@ -30,7 +38,10 @@ from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExpert
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     FusedMoEModularKernel,
-    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.prepare_finalize import (
+    check_all2all_backend,
+    make_prepare_finalize,
 )
 from vllm.model_executor.layers.fused_moe.routing import fused_topk
 from vllm.model_executor.utils import copy_tensors_in_place
@@ -112,19 +123,34 @@ class FusedMoE(nn.Module):
         renormalize: bool = True,
         backend: str = "auto",
         device: torch.device | str | None = None,
+        ep_group: GroupCoordinator | None = None,
+        all2all_backend: str = "allgather_reducescatter",
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         if prefix in _layers:
             raise ValueError(f"prefix: a FusedMoE layer named {prefix!r} exists")
+        check_all2all_backend(all2all_backend)
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cpu")
+        )
+        if ep_group is not None and (
+            (ep_group.world_size, ep_group.rank_in_group) != (moe.ep_size, moe.ep_rank)
+            or ep_group.device.type != self.device.type
+        ):
+            raise ValueError(
+                f"ep_group: expected {moe.ep_size} ranks with this one at "
+                f"moe.ep_rank={moe.ep_rank} on {self.device.type}, got the "
+                f"{ep_group.name} group of {ep_group.world_size} ranks with this "
+                f"one at {ep_group.rank_in_group} on {ep_group.device.type}"
+            )
         self.moe = moe
         self.layer_name = prefix
         self.renormalize = renormalize
         self.backend = backend
-        self.device = (
-            torch.device(device) if device is not None else torch.device("cpu")
-        )
+        self.ep_group = ep_group
+        self.all2all_backend = all2all_backend
         self.w13_weight: nn.Parameter | None = None
         self.w2_weight: nn.Parameter | None = None
         self._create_weights()
@@ -165,7 +191,8 @@ class FusedMoE(nn.Module):
     ) -> None:
         """Load one shard of one expert (global id): w1 (gate), w3 (up) or w2.
 
-        Weights of experts that are not local to this rank are skipped. Also
+        Weights of experts that are not local to this rank are skipped (a
+        loader may skip reading them: ``moe.placement.local_experts``). Also
         used to reload weights after ``process_weights_after_loading``.
         """
         moe = self.moe
@@ -173,9 +200,10 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"expert_id: expected 0..{moe.num_experts - 1}, got {expert_id}"
             )
-        local = expert_id - moe.ep_rank * moe.num_local_experts
-        if not 0 <= local < moe.num_local_experts:
+        local_experts = moe.placement.local_experts
+        if expert_id not in local_experts:
             return
+        local = expert_id - local_experts.start
         if self.w13_weight is None or self.w2_weight is None:
             self._create_weights()  # reload after the prepared weights replaced them
         assert self.w13_weight is not None and self.w2_weight is not None
@@ -210,8 +238,8 @@ class FusedMoE(nn.Module):
         if self.w13_weight is None or self.w2_weight is None:
             self._create_weights()
         assert self.w13_weight is not None and self.w2_weight is not None
-        start = moe.ep_rank * moe.num_local_experts
-        local = slice(start, start + moe.num_local_experts)
+        local_experts = moe.placement.local_experts
+        local = slice(local_experts.start, local_experts.stop)
         self.w13_weight.data.copy_(w13[local])
         self.w2_weight.data.copy_(w2[local])
         self._unloaded.clear()
@@ -238,7 +266,7 @@ class FusedMoE(nn.Module):
         # keep pointing at valid storage; after lock (graphs captured) a
         # reload that would need new storage is refused.
         if self.kernel is None:
-            self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+            self.kernel = self._make_kernel(experts)
         elif not copy_tensors_in_place(self.kernel.experts, experts):
             if (
                 is_workspace_manager_initialized()
@@ -248,9 +276,15 @@ class FusedMoE(nn.Module):
                     f"{self.layer_name}: the reloaded weights do not fit the live "
                     f"weight storage that captured graphs use"
                 )
-            self.kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+            self.kernel = self._make_kernel(experts)
         if not isinstance(self.kernel.experts, GroupedMMExperts):
             self.w13_weight = self.w2_weight = None
+
+    def _make_kernel(self, experts: FusedMoEExperts) -> FusedMoEModularKernel:
+        prepare_finalize = make_prepare_finalize(
+            self.all2all_backend, self.ep_group, self.moe.placement, self.device
+        )
+        return FusedMoEModularKernel(prepare_finalize, experts)
 
     def forward(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor

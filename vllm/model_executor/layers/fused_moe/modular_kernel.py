@@ -1,7 +1,9 @@
 """The modular MoE kernel: prepare -> experts.apply -> finalize.
 
-``FusedMoEPrepareAndFinalize`` moves activations to the experts (here: a
-single process, optionally quantizing them first) and back. ``FusedMoEExperts``
+``FusedMoEPrepareAndFinalize`` moves activations and their routing to the
+experts (optionally quantizing them first) and the experts' output back: a
+single process here (:class:`MoEPrepareAndFinalizeNoEP`), across
+expert-parallel ranks in ``fused_moe.prepare_finalize``. ``FusedMoEExperts``
 computes the experts on the routed tokens. The modular kernel takes both of
 the experts' workspaces from the workspace manager in one
 ``get_simultaneous`` call, so every MoE layer of a slot shares them.
@@ -10,7 +12,8 @@ the experts' workspaces from the workspace manager in one
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Self
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import torch
 
@@ -60,35 +63,80 @@ def check_tensors(
             )
 
 
-class FusedMoEPrepareAndFinalize(ABC):
-    """Moves activations to the experts and the experts' output back."""
+@dataclass
+class PrepareResult:
+    """What the experts of this rank compute on: activations (quantized when
+    the scheme says so) with their scales, and the routing of those rows.
 
-    @abstractmethod
-    def prepare(
-        self, a1: torch.Tensor, quant_config: FusedMoEQuantConfig
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the activations the experts read and their scales (or None)."""
-
-    @abstractmethod
-    def finalize(self, fused_out: torch.Tensor) -> torch.Tensor:
-        """Returns the layer output from the experts' reduced output."""
-
-
-class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalize):
-    """Single process: no dispatch or combine.
-
-    With a prequantized scheme (block FP8) the activations are quantized here,
-    before dispatch, in groups of 128 along the hidden dimension.
+    ``capacity_tokens`` bounds the rows the experts may be given on any rank
+    in this step (the same on every rank); workspaces and the permute scratch
+    are sized for it, so a rank warmed up at the engine's token budget never
+    grows after lock, whatever the routing sends it.
     """
 
-    def prepare(
-        self, a1: torch.Tensor, quant_config: FusedMoEQuantConfig
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if quant_config.prequantized:
-            return per_token_group_quant_fp8(a1, quant_config.block_size)
-        return a1, None
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor | None
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    capacity_tokens: int
 
-    def finalize(self, fused_out: torch.Tensor) -> torch.Tensor:
+
+PrepareT = TypeVar("PrepareT", bound=PrepareResult)
+
+
+def quantize_input(
+    a1: torch.Tensor, quant_config: FusedMoEQuantConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """With a prequantized scheme (block FP8) the activations are quantized
+    before dispatch, in groups of ``block_size`` along the hidden dimension;
+    otherwise they pass through without scales."""
+    if quant_config.prequantized:
+        return per_token_group_quant_fp8(a1, quant_config.block_size)
+    return a1, None
+
+
+class FusedMoEPrepareAndFinalize(ABC, Generic[PrepareT]):
+    """Moves tokens and their routing to the ranks whose experts they need
+    (prepare) and the experts' outputs back to the tokens' rank (finalize).
+
+    ``prepare`` returns what ``finalize`` needs (its :class:`PrepareResult`
+    subclass), so concurrent micro-batches never share dispatch state.
+    """
+
+    @abstractmethod
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        quant_config: FusedMoEQuantConfig,
+    ) -> PrepareT:
+        """Dispatch this rank's tokens ``a1`` [T, H] and their routing."""
+
+    @abstractmethod
+    def finalize(self, fused_out: torch.Tensor, prepared: PrepareT) -> torch.Tensor:
+        """The layer output [T, H] of this rank's tokens from the experts'
+        output (one row per row of ``prepared.a1q``, weighted over the routes
+        computed here)."""
+
+
+class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalize[PrepareResult]):
+    """Single process: no dispatch or combine (a layer with ``ep_size`` > 1
+    but no group computes its local experts' share only)."""
+
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        quant_config: FusedMoEQuantConfig,
+    ) -> PrepareResult:
+        a1q, a1q_scale = quantize_input(a1, quant_config)
+        return PrepareResult(a1q, a1q_scale, topk_weights, topk_ids, a1.shape[0])
+
+    def finalize(
+        self, fused_out: torch.Tensor, prepared: PrepareResult
+    ) -> torch.Tensor:
         return fused_out
 
 
@@ -233,7 +281,7 @@ def _check_inputs(
 class FusedMoEModularKernel:
     def __init__(
         self,
-        prepare_finalize: FusedMoEPrepareAndFinalize,
+        prepare_finalize: FusedMoEPrepareAndFinalize[Any],
         experts: FusedMoEExperts,
     ) -> None:
         self.prepare_finalize = prepare_finalize
@@ -248,12 +296,16 @@ class FusedMoEModularKernel:
     ) -> torch.Tensor:
         moe = self.experts.moe
         _check_inputs(moe, hidden_states, topk_weights, topk_ids)
-        a1q, a1q_scale = self.prepare_finalize.prepare(hidden_states, moe.quant_config)
+        prepared = self.prepare_finalize.prepare(
+            hidden_states, topk_weights, topk_ids, moe.quant_config
+        )
+        a1q, topk = prepared.a1q, topk_ids.shape[1]
+        capacity = prepared.capacity_tokens
         shape13, shape2, out_shape = self.experts.workspace_shapes(
-            hidden_states.shape[0],
+            capacity,
             moe.w13_rows,
             moe.hidden_size,
-            topk_ids.shape[1],
+            topk,
             moe.num_experts,
             moe.num_local_experts,
         )
@@ -261,18 +313,22 @@ class FusedMoEModularKernel:
         workspace13, workspace2 = get_workspace_buffers(
             hidden_states.device, (shape13, dtype), (shape2, dtype)
         )
-        # The output outlives the workspace views (the next layer reuses them).
+        self.experts.permute_scratch(a1q.device).reserve(capacity * topk)
+        # The output outlives the workspace views (the next layer reuses
+        # them); its rows are the experts' input rows, not the capacity.
         output = torch.empty(
-            out_shape, dtype=hidden_states.dtype, device=hidden_states.device
+            (a1q.shape[0], *out_shape[1:]),
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
         )
         self.experts.apply(
             output,
             a1q,
-            a1q_scale,
-            topk_weights,
-            topk_ids,
+            prepared.a1q_scale,
+            prepared.topk_weights,
+            prepared.topk_ids,
             expert_map,
             workspace13,
             workspace2,
         )
-        return self.prepare_finalize.finalize(output)
+        return self.prepare_finalize.finalize(output, prepared)
