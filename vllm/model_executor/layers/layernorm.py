@@ -1,9 +1,13 @@
-"""RMSNorm as Hugging Face models compute it."""
+"""RMSNorm as Hugging Face models compute it (a Triton kernel on CUDA, plain
+PyTorch on CPU)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +30,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        out, _ = self._norm(x, None)
+        return out
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: a decoder layer's residual
+        add and the next norm in one kernel on CUDA (``residual`` may be
+        overwritten with the sum)."""
+        out, total = self._norm(x, residual)
+        assert total is not None
+        return out, total
+
+    def _norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if runs_gpu_kernels(x) and x.dim() == 2:
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_reference(x, self.weight, self.eps, residual)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.qk_norm_rope import qk_norm_rope_
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -134,12 +136,15 @@ class Qwen3MoeAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_norm(self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(
-            self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        )
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        if runs_gpu_kernels(q):  # norms and rotations in one kernel per tensor
+            cos_sin = self.rotary_emb.cos_sin
+            for x, norm in ((q, self.q_norm), (k, self.k_norm)):
+                qk_norm_rope_(x, norm.weight, norm.eps, cos_sin, positions)
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -199,9 +204,21 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, **norm)
         self.post_attention_layernorm = RMSNorm(h, eps, **norm)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output is ``hidden + residual`` (returned apart, so
+        that the next norm adds them in its own kernel)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen3MoeModel(nn.Module):
@@ -223,10 +240,11 @@ class Qwen3MoeModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        assert residual is not None
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -196,7 +196,7 @@ class GPUModelRunner:
 
     def _fill_inputs(self, chunks: list[ScheduledChunk], pool: BlockPool) -> int:
         """Write the step into the persistent buffers; returns its tokens."""
-        ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
         query_lens = torch.tensor([c.end - c.start for c in chunks])
         starts = torch.tensor([c.start for c in chunks])
         tables = [pool.block_table(c.request.request_id) for c in chunks]
