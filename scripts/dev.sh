@@ -18,7 +18,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
     # Without a GPU this takes the CPU build (on our machines from local disk).
     "$VPY" -m pip install -q torch==2.13.0
 fi
-if ! "$VPY" -c "import vllm, safetensors, pytest, hypothesis, ruff, mypy, tqdm, matplotlib, transformers" 2>/dev/null; then
+if ! "$VPY" -c "import vllm, safetensors, pytest, hypothesis, ruff, mypy, tqdm, matplotlib, transformers, fastapi, uvicorn, prometheus_client, openai, httpx" 2>/dev/null; then
     "$VPY" -m pip install -q -e ".[dev]"
 fi
 

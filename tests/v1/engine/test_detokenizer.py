@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from vllm.model_executor.model_loader.tiny_checkpoint import train_tokenizer
@@ -35,3 +37,40 @@ def test_flush_keeps_bytes_that_never_became_a_character(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.update(ids[:-1]) == ""  # an incomplete character: held back
     assert detok.flush() == tokenizer.decode(ids[:-1])
+
+
+class CountingTokenizer:
+    """Counts the tokens each ``decode`` reads."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, token_ids, **kwargs):
+        self.decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, **kwargs)
+
+
+def test_each_update_decodes_a_window_not_the_sequence(tokenizer):
+    ids = tokenizer(TEXT * 20)["input_ids"]
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    text = "".join(detok.update([token]) for token in ids) + detok.flush()
+    assert text == TEXT * 20
+    # Whole-sequence decoding reads ~len(ids)^2 / 2 tokens; windows of a
+    # few tokens read a small multiple of len(ids).
+    assert counting.decoded < 10 * len(ids)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_tokens_and_specials_add_up_to_the_whole_decode(tokenizer, seed):
+    # Random ids split characters anywhere and leave stray bytes (U+FFFD).
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for i in range(0, len(ids), 3):
+        pieces.append(detok.update(ids[i : i + 3]))
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(
+        ids, skip_special_tokens=True
+    )
+    assert not any(piece.endswith("\ufffd") for piece in pieces)

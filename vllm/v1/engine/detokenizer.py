@@ -5,6 +5,13 @@ text of a prefix then ends in U+FFFD until the character completes. The
 detokenizer holds such a tail back, and the last ``len(longest stop) - 1``
 characters too (they may begin a stop string), so every piece it emits is
 whole text that stays in the output, and the pieces add up to it.
+
+Each update decodes a short window of tokens, not the whole sequence (as
+vLLM's ``detokenize_incrementally`` and Hugging Face's ``TextStreamer`` do):
+``_prefix_offset:_read_offset`` are tokens already turned into text, kept as
+context (SentencePiece decodes a word's leading space only after another
+token), and ``_read_offset:`` are the new ones. The window moves on once its
+text ends in a whole character, so a step costs O(window), not O(sequence).
 """
 
 from __future__ import annotations
@@ -21,14 +28,21 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False  # a stop string appeared; text ends before it
+        self._complete = ""  # decoded text ending in a whole character
+        self._prefix_offset = 0
+        self._read_offset = 0
 
     def update(self, token_ids: list[int]) -> str:
         """Add tokens; returns the new text (possibly empty)."""
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        complete = full.rstrip(_INCOMPLETE) if full.endswith(_INCOMPLETE) else full
+        new_text = self._window_text()
+        if new_text and not new_text.endswith(_INCOMPLETE):
+            self._complete += new_text
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+        complete = self._complete
         hold = max((len(s) for s in self.stop), default=1) - 1
         # A stop string may begin in text already emitted or held back.
         start = max(0, len(self.text) - hold)
@@ -43,9 +57,17 @@ class IncrementalDetokenizer:
         character decode to U+FFFD)."""
         if self.stopped:
             return ""
-        return self._emit(
-            self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        )
+        return self._emit(self._complete + self._window_text())
+
+    def _window_text(self) -> str:
+        """Text of the tokens after ``_read_offset``, decoded after their
+        context so that it reads as in the whole sequence."""
+        ids = self.token_ids
+        context = self._decode(ids[self._prefix_offset : self._read_offset])
+        return self._decode(ids[self._prefix_offset :])[len(context) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _emit(self, text: str) -> str:
         delta = text[len(self.text) :]

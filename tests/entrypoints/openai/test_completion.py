@@ -1,0 +1,161 @@
+"""``/v1/models`` and ``/v1/completions`` through the official client."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.conftest import MAX_MODEL_LEN, MODEL
+from tests.entrypoints.openai.utils import RemoteOpenAIServer
+
+PROMPT = "def load(fp, *, cls=None):"
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteOpenAIServer) -> openai.OpenAI:
+    return server.client()
+
+
+def prompt_len(server: RemoteOpenAIServer, prompt: str) -> int:
+    body = httpx.post(server.url_for("tokenize"), json={"prompt": prompt}).json()
+    return int(body["count"])
+
+
+def test_models_list(client, tiny_model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, "tiny-alias"]
+    assert models[0].owned_by == "vllm"
+    assert models[0].model_extra == {
+        "root": str(tiny_model),
+        "max_model_len": MAX_MODEL_LEN,
+    }
+
+
+def test_greedy_completion_and_usage(client, server):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0
+    )
+    assert out.id.startswith("cmpl-") and out.object == "text_completion"
+    (choice,) = out.choices
+    assert choice.index == 0 and choice.finish_reason in ("length", "stop")
+    usage = out.usage
+    assert usage is not None
+    assert usage.prompt_tokens == prompt_len(server, PROMPT)
+    assert 1 <= usage.completion_tokens <= 6
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The served alias answers the same (greedy, the same batch of one).
+    again = client.completions.create(
+        model="tiny-alias", prompt=PROMPT, max_tokens=6, temperature=0
+    )
+    assert again.choices[0].text == choice.text and again.model == "tiny-alias"
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_streamed_text_is_the_non_streamed_text(client, server, logprobs):
+    kwargs = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        logprobs=logprobs,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    if logprobs is not None:
+        streamed = [
+            t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens
+        ]
+        assert streamed == whole.choices[0].logprobs.tokens
+
+
+def test_n_choices_with_a_seed_differ_and_reproduce(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, n=3, seed=7)
+    first = client.completions.create(**kwargs, temperature=1.0)
+    second = client.completions.create(**kwargs, temperature=1.0)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert 3 <= first.usage.completion_tokens <= 3 * 8
+
+
+def test_several_prompts_text_and_token_ids(client, server):
+    ids = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPT}).json()
+    out = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT, "import json\n"],
+        max_tokens=4,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text  # greedy: n copies
+    # Alone in their batches, text and its token ids generate alike.
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0)
+    by_text = client.completions.create(prompt=PROMPT, **kwargs)
+    by_ids = client.completions.create(prompt=ids["tokens"], **kwargs)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert out.usage.prompt_tokens == ids["count"] + prompt_len(server, "import json\n")
+
+
+def test_stop_strings_cut_the_text(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:2]
+    assert stop
+    cut = client.completions.create(**kwargs, stop=[stop, "never seen"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    chunks = client.completions.create(**kwargs, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None
+    n = out.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == n
+    assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == n
+    for token, lp, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        # The top 3 and the sampled one (tokens whose text is alike, such
+        # as partial characters, share a key).
+        assert lp <= 0 and 1 <= len(top) <= 4 and token in top
+        assert lp >= max(top.values()) - 1e-6  # greedy takes the best
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_async_client(server):
+    async def run() -> list[int]:
+        client = server.async_client()
+        outs = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=f"x = {i}",
+                    max_tokens=2 + i,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(4)
+            )
+        )
+        await client.close()
+        return [o.usage.completion_tokens for o in outs]
+
+    assert asyncio.run(run()) == [2, 3, 4, 5]

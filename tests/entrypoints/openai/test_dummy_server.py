@@ -1,0 +1,154 @@
+"""A second server, set up as the H200 serving benchmark runs: dummy
+weights and a checkpoint without tokenizer files, so it serves token ids
+only. The benchmark client runs against it; its last test ends it with
+SIGTERM while requests are in flight."""
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from benchmarks import benchmark_serving
+from tests.entrypoints.openai.conftest import MODEL, SERVER_ARGS
+from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer, parse_metrics
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NUM_STREAMS = 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteOpenAIServer]:
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe_no_tokenizer")
+    build_tiny_checkpoint(path, with_tokenizer=False)
+    log = path / "server.log"
+    # uvicorn at info: the log shows the graceful drain
+    args = [*SERVER_ARGS, "--load-format", "dummy", "--uvicorn-log-level", "info"]
+    with RemoteOpenAIServer(path, args, log) as remote:
+        yield remote
+
+
+def test_token_ids_stream_one_event_per_token(server):
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL,
+            prompt=[1, 2, 3],
+            max_tokens=5,
+            logprobs=1,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert [c.choices[0].text for c in chunks] == [""] * 5
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert len(tokens) == 5 and all(t.startswith("token_id:") for t in tokens)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("v1/completions", {"model": MODEL, "prompt": "text"}, "prompt"),
+        ("v1/completions", {"model": MODEL, "prompt": [1], "stop": "x"}, "stop"),
+        (
+            "v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            "messages",
+        ),
+        ("tokenize", {"prompt": "text"}, "prompt"),
+        ("detokenize", {"tokens": [1, 2]}, "tokens"),
+    ],
+)
+def test_text_needs_a_tokenizer(server, path, body, param):
+    r = httpx.post(server.url_for(path), json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "no tokenizer" in r.json()["error"]["message"]
+
+
+def test_benchmark_client_runs_and_reports(server, tmp_path, capsys):
+    out = tmp_path / "serving.json"
+    summary = benchmark_serving.main(
+        [
+            "--base-url", server.base_url,
+            "--api-key", API_KEY,
+            "--num-prompts", "8",
+            "--input-len", "12",
+            "--range-ratio", "0.5",
+            "--output-len", "4",
+            "--request-rate", "100",
+            "--max-concurrency", "3",
+            "--result-json", str(out),
+            "--disable-tqdm",
+        ]
+    )  # fmt: skip
+    assert summary.num_requests == 8 and summary.num_failed == 0
+    assert summary.output_throughput > 0 and summary.tpot_ms["p99"] > 0
+    table = capsys.readouterr().out
+    assert "Output token throughput (tok/s)" in table and "P99 ITL (ms)" in table
+    saved = json.loads(out.read_text())
+    requests = saved["requests"]
+    assert [r["output_len"] for r in requests] == [4] * 8
+    assert all(len(r["itl_s"]) == 3 for r in requests)  # an event per token
+    assert all(6 <= r["prompt_len"] <= 18 for r in requests)
+
+
+async def streamed(client: openai.AsyncOpenAI, max_tokens: int) -> int:
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7, 8],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    tokens = 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens
+
+
+async def whole(client: openai.AsyncOpenAI, max_tokens: int) -> int:
+    out = await client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7, 8],
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage is not None
+    return out.usage.completion_tokens
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(server):
+    async def run() -> list[int]:
+        client = server.async_client()
+        lengths = [150 + i for i in range(NUM_STREAMS + 1)]
+        tasks = [
+            asyncio.create_task(streamed(client, n)) for n in lengths[:NUM_STREAMS]
+        ]
+        tasks.append(asyncio.create_task(whole(client, lengths[-1])))
+        async with httpx.AsyncClient() as http:  # until all of them run
+            while True:
+                metrics = parse_metrics(
+                    (await http.get(server.url_for("metrics"))).text
+                )
+                if metrics["vllm:num_requests_running"] == NUM_STREAMS + 1:
+                    break
+                await asyncio.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # uvicorn notices within 0.1 s
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            async with httpx.AsyncClient() as fresh:
+                await fresh.get(server.url_for("health"))
+        tokens = await asyncio.gather(*tasks)
+        await client.close()
+        return list(tokens)
+
+    assert asyncio.run(run()) == [150 + i for i in range(NUM_STREAMS + 1)]
+    assert server.proc.wait(60) == 0
+    log = server.log.read_text()
+    assert "Waiting for connections to close" in log
+    assert "Application shutdown complete" in log

@@ -1,0 +1,224 @@
+"""The OpenAI API's request and response bodies, as pydantic models.
+
+Requests validate strictly (a string where a number belongs is an error, not
+coerced), so wrong types become a 400 naming the field; unknown fields are
+ignored, as OpenAI's and vLLM's servers do. Value ranges that
+:class:`~vllm.sampling_params.SamplingParams` checks (temperature, top_p,
+...) are left to it: one place states them. Besides OpenAI's fields, the
+sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids`` (and ``add_generation_prompt`` for chat).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingRequest(RequestModel):
+    """What completions and chat share: the model, ``n``, streaming and
+    sampling."""
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: every token (vLLM's spelling)
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    user: str | None = None
+
+
+# -- completions ---------------------------------------------------------------
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # None: the rest of the context
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# -- chat ----------------------------------------------------------------------
+
+
+class ChatCompletionContentPartText(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionMessageParam(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatCompletionContentPartText] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as
+        vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- tokenizer -----------------------------------------------------------------
+
+
+class TokenizeRequest(RequestModel):
+    """Either ``prompt`` (text) or ``messages`` (rendered with the chat
+    template), as vLLM's ``/tokenize``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatCompletionMessageParam] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,147 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template.
+
+``content`` is a string or a list of text parts (joined by newlines).
+``max_completion_tokens`` wins over the older ``max_tokens``; without
+either, a reply may fill the rest of the context. Streamed, each choice
+first gets ``{"role": "assistant", "content": ""}``, then its new text as it
+is produced (never a partial character or a possible stop string), the last
+event carrying ``finish_reason``. ``logprobs: true`` reports each token's
+log-prob and its ``top_logprobs`` most likely alternatives.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response
+
+from vllm.entrypoints.openai.errors import OpenAIError
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    StreamOptions,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    collect,
+    json_response,
+    sse,
+    sse_response,
+    usage,
+)
+from vllm.v1.engine.async_llm import RequestStream
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+        self.models.check(request.model)
+        options = self.check_stream_options(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError(
+                "top_logprobs: only allowed with logprobs=true", param="top_logprobs"
+            )
+        prompt = self.chat_prompt_ids(request.messages, request.add_generation_prompt)
+        renames = {"prompt": "messages"}
+        max_tokens = request.max_tokens
+        if request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+            renames["max_tokens"] = "max_completion_tokens"
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, prompt, max_tokens, top, "messages")
+        stream = await self.admit([prompt], [params], renames)
+        response = ChatCompletionStreamResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=request.model,
+            choices=[],
+        )
+        if request.stream:
+            events = self._events(stream, response, prompt, request.n, options, top)
+            return sse_response(events, stream)
+        choices = await collect(stream, request.n)
+        result = ChatCompletionResponse(
+            id=response.id,
+            created=response.created,
+            model=request.model,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=index,
+                    message=ChatMessage(content=choice.text),
+                    logprobs=None
+                    if top is None
+                    else self._logprobs(choice.token_ids, choice.logprobs, top),
+                    finish_reason=choice.finish_reason,
+                )
+                for index, choice in enumerate(choices)
+            ],
+            usage=usage([prompt], sum(len(c.token_ids) for c in choices)),
+        )
+        return json_response(result)
+
+    def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
+        text = self.token_string(token)
+        return ChatCompletionLogProb(
+            token=text, logprob=logprob, bytes=list(text.encode())
+        )
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], top: int
+    ) -> ChatCompletionLogProbs:
+        content = []
+        for token, step in zip(token_ids, logprobs, strict=True):
+            entry = self._entry(token, step[token])
+            best = sorted(step.items(), key=lambda kv: kv[1], reverse=True)[:top]
+            content.append(
+                ChatCompletionLogProbsContent(
+                    **entry.model_dump(),
+                    top_logprobs=[self._entry(t, lp) for t, lp in best],
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
+
+    async def _events(
+        self,
+        stream: RequestStream,
+        response: ChatCompletionStreamResponse,
+        prompt: list[int],
+        n: int,
+        options: StreamOptions,
+        top: int | None,
+    ) -> AsyncIterator[str]:
+        def event(choice: ChatCompletionResponseStreamChoice) -> str:
+            return sse(response.model_copy(update={"choices": [choice]}))
+
+        for index in range(n):
+            role = DeltaMessage(role="assistant", content="")
+            yield event(ChatCompletionResponseStreamChoice(index=index, delta=role))
+        num_tokens = 0
+        async for index, delta in stream:
+            out = delta.outputs[0]
+            num_tokens += len(out.token_ids)
+            logprobs = None
+            if top is not None and out.logprobs:
+                logprobs = self._logprobs(out.token_ids, out.logprobs, top)
+            if out.text == "" and logprobs is None and not delta.finished:
+                continue  # held back (with no tokenizer text is None: always sent)
+            yield event(
+                ChatCompletionResponseStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(content=out.text or ""),
+                    logprobs=logprobs,
+                    finish_reason=out.finish_reason,
+                )
+            )
+        if options.include_usage:
+            yield sse(
+                response.model_copy(update={"usage": usage([prompt], num_tokens)})
+            )

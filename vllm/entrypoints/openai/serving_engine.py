@@ -1,0 +1,235 @@
+"""What the OpenAI endpoints share, over :class:`~vllm.v1.engine.async_llm.AsyncLLM`.
+
+- Prompts: text is tokenized as the model's tokenizer does; chat messages
+  are rendered with the chat template and tokenized without adding special
+  tokens again (the template has them). A checkpoint without tokenizer
+  files (a config for dummy weights) is served on token ids alone, as
+  vLLM's ``--skip-tokenizer-init``: text prompts, chat and stop strings are
+  refused by name, outputs carry token ids and empty text, and log-prob
+  tokens read ``token_id:N``.
+- Sampling: one :class:`SamplingParams` per choice. With a ``seed``, choice
+  ``i`` samples with ``seed + i`` (as vLLM's parallel sampling does), so the
+  ``n`` choices differ and the request still reproduces. A missing
+  ``max_tokens`` means the rest of the context.
+- Admission: a request's prompts x choices enter the engine together or not
+  at all; the engine's ``ValueError`` becomes a 400 naming the field.
+- Streaming: server-sent events ending in ``data: [DONE]``; however the
+  response ends (finished, client gone, body never started), its engine
+  requests are aborted, so a vanished client frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import jinja2
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from vllm.entrypoints.openai.errors import OpenAIError, from_value_error
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionMessageParam,
+    SamplingRequest,
+    StreamOptions,
+    UsageInfo,
+)
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.outputs import CompletionOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Aborts its requests when the response ends, whatever ends it."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.abort()
+
+
+def sse_response(
+    events: AsyncIterator[str], stream: RequestStream
+) -> StreamingResponse:
+    async def with_done() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except EngineDeadError as e:  # the status is sent: report in the stream
+            yield sse(OpenAIError(str(e), status=HTTPStatus.SERVICE_UNAVAILABLE).body())
+        yield SSE_DONE
+
+    return _AbortingStreamingResponse(with_done(), stream)
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from the stream's deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text or ""
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason
+
+
+async def collect(stream: RequestStream, num_choices: int) -> list[Choice]:
+    """Every choice's whole output (aborted if the caller is cancelled)."""
+    choices = [Choice() for _ in range(num_choices)]
+    try:
+        async for index, delta in stream:
+            choices[index].add(delta.outputs[0])
+    finally:
+        stream.abort()
+    return choices
+
+
+def usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo:
+    """Prompt tokens count once per prompt, whatever ``n``."""
+    num_prompt = sum(len(p) for p in prompts)
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt + num_completion_tokens,
+    )
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer: Any = engine.tokenizer
+        self._token_strings: dict[int, str] = {}
+
+    def require_tokenizer(self, param: str) -> Any:
+        if self.tokenizer is None:
+            raise OpenAIError(
+                f"{param}: the model has no tokenizer; send token ids", param=param
+            )
+        return self.tokenizer
+
+    def token_string(self, token_id: int) -> str:
+        """A token as text on its own (a partial character reads U+FFFD)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self._token_strings[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def text_prompt_ids(
+        self, prompt: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        tokenizer = self.require_tokenizer(param)
+        return list(
+            tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        )
+
+    def chat_prompt_ids(
+        self, messages: list[ChatCompletionMessageParam], add_generation_prompt: bool
+    ) -> list[int]:
+        tokenizer = self.require_tokenizer("messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except (jinja2.TemplateError, ValueError) as e:  # no or a broken template
+            raise OpenAIError(
+                f"messages: the chat template failed: {e}", param="messages"
+            ) from None
+        return self.text_prompt_ids(text, False, "messages")
+
+    @staticmethod
+    def check_stream_options(request: SamplingRequest) -> StreamOptions:
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError(
+                "stream_options: only allowed with stream=true", param="stream_options"
+            )
+        return request.stream_options or StreamOptions()
+
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        prompt: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_field: str,
+    ) -> list[SamplingParams]:
+        """One per choice (``request.n``)."""
+        if request.stop:
+            self.require_tokenizer("stop")
+        if max_tokens is None:
+            max_tokens = self.engine.max_model_len - len(prompt)
+            if max_tokens < 1:
+                raise OpenAIError(
+                    f"{prompt_field}: {len(prompt)} tokens leave no room to "
+                    f"generate within max_model_len={self.engine.max_model_len}",
+                    param=prompt_field,
+                    code="context_length_exceeded",
+                )
+        top_k = 0 if request.top_k == -1 else request.top_k  # vLLM's "all"
+        given = {
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": top_k,
+            "min_p": request.min_p,
+        }
+        knobs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        seed = request.seed
+        try:
+            return [
+                SamplingParams(
+                    **knobs,  # a missing (or null) knob keeps SamplingParams' default
+                    seed=None if seed is None else seed + i,
+                    max_tokens=max_tokens,
+                    stop=request.stop or [],
+                    stop_token_ids=request.stop_token_ids or [],
+                    ignore_eos=request.ignore_eos,
+                    logprobs=logprobs,
+                )
+                for i in range(request.n)
+            ]
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    async def admit(
+        self,
+        prompts: list[list[int]],
+        params: list[list[SamplingParams]],
+        renames: dict[str, str] | None = None,
+    ) -> RequestStream:
+        """Every prompt's choices into the engine; choice ``j`` of prompt
+        ``i`` is the stream's index ``i * n + j``."""
+        flat_prompts = [p for p, ps in zip(prompts, params, strict=True) for _ in ps]
+        flat_params = [p for ps in params for p in ps]
+        try:
+            return await self.engine.add_requests(flat_prompts, flat_params)
+        except ValueError as e:
+            raise from_value_error(e, renames) from None
+
+
+def json_response(payload: BaseModel) -> Response:
+    return Response(payload.model_dump_json(), media_type="application/json")
