@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.request import Request
@@ -23,22 +24,11 @@ from vllm.v1.request import Request
 _engine_ids = itertools.count()
 
 
-def _load_tokenizer(model: str | Path) -> Any:
-    root = Path(model)
-    if not any(
-        (root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(root))
-
-
 class LLM:
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
         prefix = f"llm{next(_engine_ids)}."  # layer names unique per engine
         self.engine = EngineCore(EngineConfig(model, prefix=prefix, **engine_args))
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = get_tokenizer(model)
         self._request_ids = itertools.count()
 
     def _eos(self) -> int | None:

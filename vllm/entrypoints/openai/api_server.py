@@ -221,10 +221,10 @@ def build_async_engine(
 ) -> AsyncLLM:
     """The engine and tokenizer of ``vllm serve``'s arguments (no tokenizer
     for a checkpoint directory without tokenizer files: token ids only)."""
-    from vllm.entrypoints.llm import _load_tokenizer
+    from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.v1.engine.core import EngineConfig, EngineCore
 
-    tokenizer = _load_tokenizer(args.model)
+    tokenizer = get_tokenizer(args.model)
     if tokenizer is None:
         logger.warning("No tokenizer in %s: serving token ids only", args.model)
     elif args.chat_template is not None:  # a file, or the template itself

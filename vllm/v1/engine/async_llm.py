@@ -344,11 +344,9 @@ class AsyncLLM:
     def _record_scheduler(self) -> None:
         if self.stat_logger is None:
             return
-        scheduler, pool = self.engine.scheduler, self.engine.pool
+        stats = self.engine.stats()
         self.stat_logger.record_scheduler(
-            len(scheduler.running),
-            len(scheduler.waiting),
-            1.0 - pool.num_free_blocks / pool.num_blocks,
+            stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
         )
 
     def _fail_all(self, error: Exception) -> None:

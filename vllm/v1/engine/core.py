@@ -62,6 +62,13 @@ class EngineConfig:
             )
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of the pool's blocks in use
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -168,6 +175,14 @@ class EngineCore:
 
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
         self.scheduler.finish_request(request_id, reason)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.pool
+        return SchedulerStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            1.0 - pool.num_free_blocks / pool.num_blocks,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -15,6 +15,7 @@ def test_fused_topk(device):
     probs = logits.softmax(-1)
     assert torch.equal(ids.long(), probs.topk(3).indices)
     raw, _ = fused_topk(torch.empty(5, 8, device=device), logits, 3, False)
-    torch.testing.assert_close(raw, probs.topk(3).values)
+    # rtol: the CUDA kernel's exp is the fast approximate one
+    torch.testing.assert_close(raw, probs.topk(3).values, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="topk"):
         fused_topk(torch.empty(5, 8, device=device), logits, 17, True)
