@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the local virtualenv, then run one job:
 #   scripts/dev.sh test   ruff, ruff format --check, mypy, pytest
-#   scripts/dev.sh run    the main job: offline generation (see README)
+#   scripts/dev.sh run    the main job: vllm serve + one chat request (see README)
+#   scripts/dev.sh offline   offline generation with LLM.generate
 #   scripts/dev.sh memory-report   the MoE memory report
 # Idempotent: a second call reuses .venv and installs nothing new.
 set -euo pipefail
@@ -30,13 +31,16 @@ test)
     "$VPY" -m pytest -q "$@"
     ;;
 run)
+    PYTHONPATH="$PWD" "$VPY" examples/online_serving.py "$@"
+    ;;
+offline)
     PYTHONPATH="$PWD" "$VPY" examples/offline_inference.py "$@"
     ;;
 memory-report)
     PYTHONPATH="$PWD" "$VPY" -m benchmarks.moe_memory_report "$@"
     ;;
 *)
-    echo "usage: scripts/dev.sh {test|run|memory-report} [args...]" >&2
+    echo "usage: scripts/dev.sh {test|run|offline|memory-report} [args...]" >&2
     exit 2
     ;;
 esac
