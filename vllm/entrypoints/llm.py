@@ -2,7 +2,11 @@
 
 ``LLM(model_dir, ...)`` builds an :class:`~vllm.v1.engine.core.EngineCore`
 (workspace manager, model, profile run, KV cache, lock) and a tokenizer
-from the checkpoint directory when it has one. ``generate`` adds every
+from the checkpoint directory when it has one; with
+``data_parallel_size`` > 1 (and ``enable_expert_parallel``) a
+:class:`~vllm.v1.engine.dp_engine.DPEngineCore` whose ranks 1..N-1 run in
+worker processes (``llm.engine.shutdown()`` stops them; so does dropping the
+``LLM``). ``generate`` adds every
 prompt as a request, steps the engine until all finish (continuous
 batching: requests join and leave every step) and returns one
 :class:`RequestOutput` per prompt, in order.
@@ -19,6 +23,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.dp_engine import DPEngineCore
 from vllm.v1.request import Request
 
 _engine_ids = itertools.count()
@@ -27,7 +32,12 @@ _engine_ids = itertools.count()
 class LLM:
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
         prefix = f"llm{next(_engine_ids)}."  # layer names unique per engine
-        self.engine = EngineCore(EngineConfig(model, prefix=prefix, **engine_args))
+        config = EngineConfig(model, prefix=prefix, **engine_args)
+        self.engine = (
+            DPEngineCore(config)
+            if config.data_parallel_size > 1
+            else EngineCore(config)
+        )
         self.tokenizer = get_tokenizer(model)
         self._request_ids = itertools.count()
 

@@ -3,11 +3,13 @@
 
 import itertools
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 
+from vllm.distributed import GroupCoordinator
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import bind_kv_cache
 from vllm.model_executor.layers.quantization.marlin import MarlinLinear
@@ -33,7 +35,11 @@ def checkpoint(tmp_path_factory):
 
 
 def load(
-    path, load_format="auto", dtype: str | torch.dtype = torch.float32, device="cpu"
+    path,
+    load_format="auto",
+    dtype: str | torch.dtype = torch.float32,
+    device="cpu",
+    ep_group: GroupCoordinator | None = None,
 ) -> Qwen3MoeForCausalLM:
     model = get_model(
         path,
@@ -41,6 +47,7 @@ def load(
         dtype=dtype,
         device=device,
         prefix=next(_prefixes),
+        ep_group=ep_group,
     )
     assert isinstance(model, Qwen3MoeForCausalLM)
     return model
@@ -160,6 +167,38 @@ def test_dummy_weights_have_the_checkpoints_shapes(checkpoint):
     assert dummy == real
     logits = our_logits(model, PROMPTS[0])
     assert logits.shape == (7, 320) and logits.isfinite().all()
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_an_expert_parallel_rank_holds_and_loads_only_its_experts(
+    checkpoint, load_format
+):
+    """Rank 1 of 2 (the group's layout only: nothing is exchanged while
+    loading) holds experts 8..15 of 16, equal to those of the whole model:
+    the checkpoint's and the dummy ones alike (drawn per tensor)."""
+    path, _ = checkpoint
+    group = GroupCoordinator(
+        name="ep",
+        ranks=[0, 1],
+        rank=1,
+        device_group=None,
+        backend="gloo",
+        device=torch.device("cpu"),
+        timeout=timedelta(seconds=1),
+    )
+    whole = load(path, load_format)
+    shard = load(path, load_format, ep_group=group)
+    names = [n for n, _, _ in shard.checkpoint_shapes()]
+    experts = {int(n.split(".")[5]) for n in names if ".experts." in n}
+    assert experts == set(range(8, 16))
+    assert len(names) == len(list(whole.checkpoint_shapes())) - 3 * 8 * 3
+    for mine, full in zip(shard.moe_layers(), whole.moe_layers(), strict=True):
+        assert mine.ep_group is group
+        assert mine.moe.placement.local_experts == range(8, 16)
+        assert mine.w13_weight is not None and full.w13_weight is not None
+        assert torch.equal(mine.w13_weight, full.w13_weight[8:])
+        assert mine.w2_weight is not None and full.w2_weight is not None
+        assert torch.equal(mine.w2_weight, full.w2_weight[8:])
 
 
 def test_paged_steps_equal_full_recompute(checkpoint):

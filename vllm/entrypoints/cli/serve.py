@@ -1,11 +1,13 @@
 """``vllm serve MODEL_DIR``: the OpenAI-compatible server over the engine.
 
 Flags are spelled as vLLM spells them and ``--help`` shows every default.
-``--tensor-parallel-size``, ``--data-parallel-size`` and
-``--enable-expert-parallel`` are accepted but only their single-GPU values
-run until expert parallelism lands; others are refused before anything
-loads. The server and the engine are imported only when the command runs,
-so ``vllm serve --help`` answers at once.
+``--data-parallel-size N --enable-expert-parallel`` runs N engine ranks (one
+process and one GPU each) with the experts sharded over them
+(:class:`~vllm.v1.engine.dp_engine.DPEngineCore`), exchanging tokens through
+``--all2all-backend``. ``--tensor-parallel-size`` other than 1, and
+``--data-parallel-size`` > 1 without ``--enable-expert-parallel``, are
+refused before anything loads. The server and the engine are imported only
+when the command runs, so ``vllm serve --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8", "w4a16")
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -117,19 +120,29 @@ def add_serve_parser(
         "-tp",
         type=int,
         default=1,
-        help="Only 1 until expert parallelism lands (default: %(default)s).",
+        help="Only 1: attention is not sharded; shard the experts with "
+        "--data-parallel-size and --enable-expert-parallel (default: %(default)s).",
     )
     parser.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
         default=1,
-        help="Only 1 until expert parallelism lands (default: %(default)s).",
+        help="Engine ranks, one process and GPU each; > 1 needs "
+        "--enable-expert-parallel (default: %(default)s).",
     )
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
-        help="Refused until expert parallelism lands (default: off).",
+        help="Shard the experts over the data-parallel ranks; every rank runs "
+        "eagerly, without CUDA graphs (default: off).",
+    )
+    parser.add_argument(
+        "--all2all-backend",
+        choices=ALL2ALL_BACKENDS,
+        default="allgather_reducescatter",
+        help="How the ranks exchange tokens under expert parallelism "
+        "(default: %(default)s).",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -141,16 +154,20 @@ def add_serve_parser(
 
 
 def check_parallelism(args: argparse.Namespace) -> str | None:
-    """Why the parallelism flags cannot run yet, or None."""
-    for flag in ("tensor_parallel_size", "data_parallel_size"):
-        if getattr(args, flag) != 1:
-            option = "--" + flag.replace("_", "-")
-            return (
-                f"{option}: only 1 is supported until expert parallelism lands, "
-                f"got {getattr(args, flag)}"
-            )
-    if args.enable_expert_parallel:
-        return "--enable-expert-parallel: not supported until expert parallelism lands"
+    """Why the parallelism flags cannot run, or None."""
+    if args.tensor_parallel_size != 1:
+        return (
+            f"--tensor-parallel-size: only 1 is supported (attention is not "
+            f"sharded; shard the experts with --data-parallel-size N "
+            f"--enable-expert-parallel), got {args.tensor_parallel_size}"
+        )
+    if args.data_parallel_size < 1:
+        return f"--data-parallel-size: expected >= 1, got {args.data_parallel_size}"
+    if args.data_parallel_size > 1 and not args.enable_expert_parallel:
+        return (
+            f"--data-parallel-size: {args.data_parallel_size} ranks need "
+            f"--enable-expert-parallel (replicated experts are not supported)"
+        )
     return None
 
 

@@ -220,9 +220,12 @@ def build_async_engine(
     args: argparse.Namespace, stat_logger: PrometheusStatLogger
 ) -> AsyncLLM:
     """The engine and tokenizer of ``vllm serve``'s arguments (no tokenizer
-    for a checkpoint directory without tokenizer files: token ids only)."""
+    for a checkpoint directory without tokenizer files: token ids only); a
+    data-parallel engine for ``--data-parallel-size`` > 1 (its workers stop
+    when the server process exits)."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.v1.engine.core import EngineConfig, EngineCore
+    from vllm.v1.engine.dp_engine import DPEngineCore
 
     tokenizer = get_tokenizer(args.model)
     if tokenizer is None:
@@ -242,8 +245,12 @@ def build_async_engine(
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        all2all_backend=args.all2all_backend,
     )
-    return AsyncLLM(EngineCore(config), tokenizer, stat_logger)
+    engine_cls = DPEngineCore if config.data_parallel_size > 1 else EngineCore
+    return AsyncLLM(engine_cls(config), tokenizer, stat_logger)
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> Any:

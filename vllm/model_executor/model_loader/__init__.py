@@ -5,16 +5,23 @@ from its ``architectures`` (:mod:`vllm.model_executor.models.registry`),
 builds it on ``device`` and loads it: ``"safetensors"`` (``"auto"``) from the
 directory's safetensors files, ``"dummy"`` with random weights in place (real
 shapes without a checkpoint, for benchmarks; only ``config.json`` is read).
+
+Under expert parallelism (``ep_group``) the model holds and loads only this
+rank's experts. Dummy weights are drawn per tensor from ``seed`` and the
+tensor's name, so a rank's experts equal the same experts of a
+single-process model.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from vllm.distributed import GroupCoordinator
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 from vllm.model_executor.models.registry import CausalLM, resolve_model_cls
 from vllm.transformers_utils.config import load_hf_config
@@ -54,12 +61,16 @@ def get_model(
     quantization: str | None = None,
     seed: int = 0,
     prefix: str = "",
+    ep_group: GroupCoordinator | None = None,
+    all2all_backend: str = "allgather_reducescatter",
 ) -> nn.Module:
     """The loaded model of checkpoint directory ``model``, in inference mode
     (no gradients); ``seed`` draws the dummy weights. ``quantization``
     quantizes while loading: "fp8" (experts: FP8 weights per channel,
     activations per token) or "w4a16" (uint4 weights in groups of 128 for the
-    experts and the attention and dense MLP linears)."""
+    experts and the attention and dense MLP linears). ``ep_group`` shards
+    the experts over its ranks, exchanging tokens through
+    ``all2all_backend``."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}"
@@ -75,6 +86,8 @@ def get_model(
         moe_backend=moe_backend,
         quantization=quantization,
         prefix=prefix,
+        ep_group=ep_group,
+        all2all_backend=all2all_backend,
     )
     if load_format == "dummy":
         net.load_weights(_dummy_weights(net, seed, torch.device(device)))
@@ -90,8 +103,10 @@ def _dummy_weights(
     """Small uniform values for every checkpoint tensor of ``net`` (as vLLM's
     dummy format: shapes and dtypes real, values meaningless), drawn on the
     model's device: a 30B model's worth of host random numbers takes
-    minutes."""
-    gen = torch.Generator(device).manual_seed(seed)
+    minutes. Seeded per tensor (``seed`` and the name), so the values do
+    not depend on which tensors this rank loads."""
+    gen = torch.Generator(device)
     for name, shape, dtype in net.checkpoint_shapes():
+        gen.manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
         values = torch.rand(shape, generator=gen, device=device, dtype=dtype)
         yield name, values.mul_(2e-3).sub_(1e-3)

@@ -10,6 +10,12 @@ experts backends. Checkpoint names are those of Hugging Face checkpoints
 (per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``, or the fused
 ``mlp.experts.gate_up_proj`` / ``down_proj`` that ``transformers`` keeps in
 memory).
+
+Expert parallelism: built with an expert-parallel group (``ep_group``), every
+MoE layer holds only this rank's experts (linear placement), exchanges tokens
+with the other ranks through ``all2all_backend``, and loads only its experts:
+``load_weights`` skips other ranks' per-expert tensors and
+``checkpoint_shapes`` (what dummy weights fill) names only local ones.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.distributed import GroupCoordinator
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.qk_norm_rope import qk_norm_rope_
 from vllm.model_executor.layers.attention import Attention
@@ -88,13 +95,16 @@ class Qwen3MoeModelConfig:
 
 @dataclass(frozen=True)
 class BuildArgs:
-    """How every layer is built: dtype, device, the experts backend and the
-    online quantization (None, "fp8" or "w4a16")."""
+    """How every layer is built: dtype, device, the experts backend, the
+    online quantization (None, "fp8" or "w4a16") and, under expert
+    parallelism, the group the MoE layers shard their experts over."""
 
     dtype: torch.dtype
     device: Any
     moe_backend: str = "auto"
     quantization: str | None = None
+    ep_group: GroupCoordinator | None = None
+    all2all_backend: str = "allgather_reducescatter"
 
 
 QUANTIZATIONS = {
@@ -168,12 +178,15 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             config.hidden_size, config.num_experts, args, quantize=False
         )
         scheme = QUANTIZATIONS.get(args.quantization or "", QuantScheme.UNQUANTIZED)
+        ep = args.ep_group
         moe = FusedMoEConfig(
             num_experts=config.num_experts,
             experts_per_token=config.num_experts_per_tok,
             hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size,
             in_dtype=args.dtype,
+            ep_rank=0 if ep is None else ep.rank_in_group,
+            ep_size=1 if ep is None else ep.world_size,
             quant_config=FusedMoEQuantConfig(scheme),
         )
         self.experts = FusedMoE(
@@ -182,6 +195,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             renormalize=config.norm_topk_prob,
             backend=args.moe_backend,
             device=args.device,
+            ep_group=ep,
+            all2all_backend=args.all2all_backend,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +272,9 @@ class Qwen3MoeForCausalLM(nn.Module):
     sequence; :meth:`compute_logits` maps hidden states to the vocabulary.
 
     ``prefix`` names the FusedMoE layers (unique per process while a model
-    lives: several models in one process need distinct prefixes)."""
+    lives: several models in one process need distinct prefixes);
+    ``ep_group`` shards the experts over its ranks (see the module
+    docstring)."""
 
     config_class = Qwen3MoeModelConfig
 
@@ -270,6 +287,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         moe_backend: str = "auto",
         quantization: str | None = None,
         prefix: str = "",
+        ep_group: GroupCoordinator | None = None,
+        all2all_backend: str = "allgather_reducescatter",
     ):
         super().__init__()
         if quantization is not None and quantization not in QUANTIZATIONS:
@@ -278,7 +297,9 @@ class Qwen3MoeForCausalLM(nn.Module):
                 f"{quantization!r}"
             )
         self.config = config
-        args = BuildArgs(dtype, device, moe_backend, quantization)
+        args = BuildArgs(
+            dtype, device, moe_backend, quantization, ep_group, all2all_backend
+        )
         self.model = Qwen3MoeModel(config, f"{prefix}model", args)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, args, False)
         if config.tie_word_embeddings:
@@ -304,15 +325,16 @@ class Qwen3MoeForCausalLM(nn.Module):
         }
 
     def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Name, shape and dtype of every tensor of a checkpoint of this
-        model, experts as per-expert tensors."""
+        """Name, shape and dtype of every tensor of a checkpoint that this
+        model (this expert-parallel rank) loads, experts as per-expert
+        tensors."""
         for name, param in self._dense_params().items():
             yield name, tuple(param.shape), param.dtype
         for name, layer in self.named_modules():
             if isinstance(layer, FusedMoE):
                 moe = layer.moe
                 h, i = moe.hidden_size, moe.intermediate_size
-                for e in range(moe.num_experts):
+                for e in moe.placement.local_experts:
                     for shard, shape in (
                         ("gate", (i, h)),
                         ("up", (i, h)),

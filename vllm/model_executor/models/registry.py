@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm.distributed import GroupCoordinator
+
 
 class CausalLM(Protocol):
     """What the loader and the engine use of a model class."""
@@ -23,6 +25,8 @@ class CausalLM(Protocol):
         moe_backend: str,
         quantization: str | None,
         prefix: str,
+        ep_group: GroupCoordinator | None,
+        all2all_backend: str,
     ) -> None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...

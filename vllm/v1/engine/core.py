@@ -8,6 +8,19 @@ of the GPU after the profile run's peak; on the CPU room for 16 sequences of
 ``max_model_len``) -> capture CUDA graphs for decode batches -> lock the
 manager. After that a step that would need new workspace is an error. The
 model runs in a :class:`~vllm.v1.worker.gpu_model_runner.GPUModelRunner`.
+
+Data + expert parallelism (``data_parallel_size`` > 1 with
+``enable_expert_parallel``): one ``EngineCore`` per rank, each the engine of
+its own requests (its workspace manager, KV cache and scheduler) with the
+MoE layers sharded over the expert-parallel group, which must be
+initialized first; :class:`~vllm.v1.engine.dp_engine.DPEngineCore` starts
+the ranks and steps them in lockstep. Those ranks run eagerly (no CUDA
+graphs: the token exchange reads counts on the host), and a rank without
+work runs :meth:`EngineCore.execute_dummy_batch` so that its MoE layers meet
+the other ranks' collectives. ``enable_expert_parallel`` with
+``data_parallel_size`` 1 is a no-op (one rank holds every expert), and
+``data_parallel_size`` > 1 without it is refused: data parallelism exists
+here to shard the experts.
 """
 
 from __future__ import annotations
@@ -17,7 +30,15 @@ from pathlib import Path
 
 import torch
 
+from vllm.distributed import (
+    GroupCoordinator,
+    get_ep_group,
+    model_parallel_is_initialized,
+)
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.prepare_finalize import (
+    check_all2all_backend,
+)
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.transformers_utils.config import load_hf_config
@@ -53,6 +74,10 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process
+    data_parallel_size: int = 1  # ranks, one process (and one GPU) each
+    enable_expert_parallel: bool = False  # shard the experts over the ranks
+    all2all_backend: str = "allgather_reducescatter"  # the ranks' token exchange
+    distributed_timeout_s: float = 600.0  # bound on every collective of the ranks
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -60,6 +85,26 @@ class EngineConfig:
                 f"gpu_memory_utilization: expected in (0, 1], got "
                 f"{self.gpu_memory_utilization}"
             )
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size: expected >= 1, got {self.data_parallel_size}"
+            )
+        if self.data_parallel_size > 1 and not self.enable_expert_parallel:
+            raise ValueError(
+                f"data_parallel_size: {self.data_parallel_size} ranks need "
+                f"enable_expert_parallel=True (data parallelism shards the "
+                f"experts; replicated experts are not supported)"
+            )
+        check_all2all_backend(self.all2all_backend)
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s: expected > 0, got {self.distributed_timeout_s}"
+            )
+
+    @property
+    def expert_parallel(self) -> bool:
+        """The experts are sharded over more than one rank."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -84,6 +129,8 @@ class EngineCore:
         scheduler_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
+        # Checked before loading; None without expert parallelism.
+        self.ep_group = self._expert_parallel_group()
         torch.manual_seed(config.seed)
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device)
@@ -100,8 +147,27 @@ class EngineCore:
             "KV cache: %d blocks of %d tokens", self.pool.num_blocks, BLOCK_SIZE
         )
 
-    def _setup(self, scheduler_config: SchedulerConfig) -> None:
+    def _expert_parallel_group(self) -> GroupCoordinator | None:
+        """This rank's expert-parallel group; None without expert
+        parallelism."""
         config = self.config
+        if not config.expert_parallel:
+            return None
+        group = get_ep_group() if model_parallel_is_initialized() else None
+        if group is None or group.world_size != config.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size: {config.data_parallel_size} ranks with "
+                f"enable_expert_parallel need an initialized expert-parallel "
+                f"group of that size in every rank, got "
+                f"{'none' if group is None else group.world_size}; build the "
+                f"engine with DPEngineCore or LLM(data_parallel_size=...)"
+            )
+        return group
+
+    def _setup(self, scheduler_config: SchedulerConfig) -> None:
+        config, ep_group = self.config, self.ep_group
+        if ep_group is not None and not config.enforce_eager:
+            logger.info("expert parallelism: every step runs eagerly (no CUDA graphs)")
         model = get_model(
             config.model,
             load_format=config.load_format,
@@ -111,6 +177,8 @@ class EngineCore:
             quantization=config.quantization,
             seed=config.seed,
             prefix=config.prefix,
+            ep_group=ep_group,
+            all2all_backend=config.all2all_backend,
         )
         assert isinstance(model, Qwen3MoeForCausalLM)
         self.model = model
@@ -126,7 +194,9 @@ class EngineCore:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
-            config.enforce_eager,
+            # The token exchange reads per-rank counts on the host, which a
+            # replayed graph would not.
+            config.enforce_eager or ep_group is not None,
         )
         self.runner.profile_run()
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(
@@ -148,6 +218,18 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request after checking it (errors name the field; the
         engine state is untouched when one is raised)."""
+        self.check_request(request)
+        if self.scheduler.has_request(request.request_id):
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        if request.sampling_params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(
+                request.sampling_params.seed
+            )
+        self.scheduler.add_request(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ``ValueError`` naming the field if this engine's model
+        cannot run ``request`` (its prompt, length or logprobs)."""
         params, ids = request.sampling_params, request.prompt_token_ids
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
@@ -159,19 +241,12 @@ class EngineCore:
             )
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
-        if self.scheduler.has_request(request.request_id):
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="
                 f"{request.sampling_params.max_tokens} exceed max_model_len="
                 f"{self.max_model_len}"
             )
-        if request.sampling_params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(
-                request.sampling_params.seed
-            )
-        self.scheduler.add_request(request)
 
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
         self.scheduler.finish_request(request_id, reason)
@@ -209,3 +284,12 @@ class EngineCore:
                 token.token_id, token.logprob, token.top_logprobs
             )
         return self.scheduler.finish_step(chunks)
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One token through the model outside any batch (no KV cache, no
+        sampling): an idle data-parallel rank's share of a step, which calls
+        every MoE layer as the busy ranks' steps do."""
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        with self.runner.on_stream():
+            self.model(token, token)

@@ -1,0 +1,162 @@
+"""Data + expert parallelism through ``LLM`` on 2 real gloo ranks (this
+process and one spawned worker), tiny Qwen3-MoE in fp32 on the CPU: the
+same greedy tokens as one process (both all2all backends, with a rank that
+gets no request), ``AsyncLLM`` unchanged over it, aborts freeing another
+rank's blocks, a killed worker failing rank 0 within the timeout, and the
+configuration refusals."""
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.fused_moe.prepare_finalize import ALL2ALL_BACKENDS
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.dp_engine import DPEngineCore, DPEngineDeadError
+from vllm.v1.request import Request
+from vllm.v1.worker.workspace import reset_workspace_manager
+
+ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "device": "cpu",
+    "max_model_len": 64,
+    "max_num_seqs": 8,
+}
+DP: dict[str, Any] = {"data_parallel_size": 2, "enable_expert_parallel": True}
+_gen = torch.Generator().manual_seed(1)
+PROMPTS = [
+    torch.randint(0, 320, (int(n),), generator=_gen).tolist() for n in (5, 23, 9, 14)
+]
+# Uneven lengths: a rank runs dummy forwards while the other still decodes.
+PARAMS = [SamplingParams(temperature=0, max_tokens=m) for m in (3, 9, 1, 6)]
+
+
+def token_ids(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe_dp")
+    build_tiny_checkpoint(path, with_tokenizer=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> Iterator[list[list[int]]]:
+    reset_workspace_manager()
+    yield token_ids(LLM(checkpoint, **ARGS), PROMPTS, PARAMS)
+    reset_workspace_manager()
+
+
+def dp_engine(llm: LLM) -> DPEngineCore:
+    assert isinstance(llm.engine, DPEngineCore)
+    return llm.engine
+
+
+@pytest.fixture(scope="class", params=ALL2ALL_BACKENDS)
+def dp_llm(request, checkpoint, reference):
+    """After the reference (whose fixture starts from a fresh workspace
+    manager); stopped after its class: one DP engine per process at a time."""
+    llm = LLM(checkpoint, **ARGS, **DP, all2all_backend=request.param)
+    yield llm
+    dp_engine(llm).shutdown()
+    assert not dist.is_initialized()
+    assert all(p.exitcode == 0 for p in dp_engine(llm).processes)
+    reset_workspace_manager()
+
+
+class TestLockstep:
+    def test_greedy_tokens_equal_one_process(self, dp_llm, reference):
+        assert token_ids(dp_llm, PROMPTS, PARAMS) == reference
+        # One request: rank 1 gets none and runs dummy forwards throughout.
+        assert token_ids(dp_llm, PROMPTS[1:2], PARAMS[1:2]) == reference[1:2]
+        assert not dp_llm.engine.has_unfinished_requests()
+
+    def test_async_llm_runs_over_it_unchanged(self, dp_llm, reference):
+        async def run() -> list[list[int]]:
+            engine = AsyncLLM(dp_llm.engine, None)
+            engine.start()
+            try:
+                stream = await engine.add_requests(PROMPTS, PARAMS)
+                out: list[list[int]] = [[] for _ in PROMPTS]
+                async for index, delta in stream:
+                    out[index] += delta.outputs[0].token_ids
+                return out
+            finally:
+                await engine.shutdown()
+
+        assert asyncio.run(run()) == reference
+
+    def test_an_aborted_request_frees_its_blocks(self, dp_llm):
+        engine = dp_engine(dp_llm)
+        long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        requests = [Request(f"abort{i}", PROMPTS[1], long) for i in range(2)]
+        for request in requests:
+            engine.add_request(request)  # least loaded: one per rank
+        with pytest.raises(ValueError, match="request_id: 'abort1' is already"):
+            engine.add_request(Request("abort1", PROMPTS[0], long))
+        for _ in range(3):
+            engine.step()
+        assert engine.stats().num_running_reqs == 2
+        both = engine.stats().kv_cache_usage
+        engine.finish_request("abort1")  # rank 1's
+        assert requests[1].finish_reason == "abort"
+        assert engine.has_unfinished_requests()
+        engine.step()  # carries the abort to rank 1
+        stats = engine.stats()
+        assert stats.num_running_reqs == 1 and 0 < stats.kv_cache_usage < both
+        assert len(requests[1].output_token_ids) == 3  # nothing after the abort
+        engine.finish_request("abort0")  # rank 0's: freed at once
+        engine.step()
+        assert not engine.has_unfinished_requests()
+        assert engine.stats().kv_cache_usage == 0
+
+
+def test_a_killed_worker_makes_rank_0_raise_within_the_timeout(checkpoint):
+    llm = LLM(checkpoint, **ARGS, **DP, distributed_timeout_s=10.0)
+    engine = dp_engine(llm)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        for i in range(2):
+            engine.add_request(Request(str(i), PROMPTS[0], long))
+        engine.step()
+        (worker,) = engine.processes
+        assert worker.pid is not None
+        # Found dead before the next step, or by that step's collectives
+        # (the kill may not have landed yet): the same error either way.
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(DPEngineDeadError, match=r"rank 1 \(pid \d+\) exited with"):
+            engine.step()
+        assert time.monotonic() - start < 10.0
+        with pytest.raises(DPEngineDeadError, match="stopped after a failure"):
+            engine.step()
+        assert not dist.is_initialized()  # left the world: a new engine may start
+    finally:
+        engine.shutdown()
+        reset_workspace_manager()
+
+
+def test_configurations_are_checked(checkpoint):
+    with pytest.raises(ValueError, match="data_parallel_size: 2 ranks need enable_"):
+        EngineConfig(checkpoint, data_parallel_size=2)
+    with pytest.raises(ValueError, match="all2all_backend: expected one of"):
+        EngineConfig(checkpoint, **DP, all2all_backend="naive")
+    with pytest.raises(ValueError, match="data_parallel_size: expected >= 1"):
+        EngineConfig(checkpoint, data_parallel_size=0)
+    # One rank holds every expert: expert parallelism is a no-op.
+    assert not EngineConfig(checkpoint, enable_expert_parallel=True).expert_parallel
+    with pytest.raises(ValueError, match="need an initialized expert-parallel group"):
+        EngineCore(EngineConfig(checkpoint, **ARGS, **DP))
+    with pytest.raises(ValueError, match="DPEngineCore runs > 1 ranks"):
+        DPEngineCore(EngineConfig(checkpoint, **ARGS))

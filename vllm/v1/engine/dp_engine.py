@@ -1,0 +1,538 @@
+"""Data + expert parallelism on one node: N engine ranks stepped in lockstep.
+
+:class:`DPEngineCore` has :class:`~vllm.v1.engine.core.EngineCore`'s
+interface, so ``LLM`` and ``AsyncLLM`` drive it unchanged. The calling
+process is rank 0: it *is* rank 0's ``EngineCore`` (``model``, ``device``,
+``max_model_len``, ``pool``, ``runner``, ``scheduler`` are rank 0's) and
+extends the request-level methods (``add_request``, ``step``,
+``finish_request``, ``has_unfinished_requests``, ``stats``) to all ranks.
+
+Contract:
+
+- Construction spawns ranks 1..N-1 (``torch.multiprocessing``, spawn). Every
+  rank joins one ``torch.distributed`` world on 127.0.0.1 (NCCL with GPU
+  ``cuda:{rank}`` on CUDA, gloo on CPU), carves it with
+  ``initialize_model_parallel(1, N)`` and builds its own ``EngineCore``
+  (workspace manager, experts of its shard, profile run, KV cache, lock):
+  the profile runs meet in the MoE layers' collectives. Every rank runs
+  eagerly (no CUDA graphs, see ``EngineCore``).
+- Rank 0 assigns each new request to the rank with the fewest live
+  requests (the lowest such rank) and holds the caller's ``Request``.
+- Each ``step()``: rank 0 broadcasts the step's commands (new requests per
+  rank, aborts per rank) over a gloo group; every rank applies them and
+  steps its engine, or runs a one-token dummy forward when it has nothing to
+  run, so that all ranks call every MoE layer once; the ranks' new tokens,
+  finish reasons and scheduler state are gathered to rank 0, which appends
+  them to the caller's requests. ``step()`` returns the requests of every
+  rank that finished in it.
+- ``finish_request`` of another rank's request finishes the caller's copy
+  at once and frees the rank's blocks at the next step (pending commands
+  count as unfinished work, so callers step again).
+- Scheduler limits (``max_num_seqs``, ``max_num_batched_tokens``, the KV
+  cache) are per rank.
+- Failures: collectives run under ``distributed_timeout_s``. When a rank dies
+  or a step fails, rank 0 raises :class:`DPEngineDeadError` (naming dead
+  ranks and their exit codes) within that timeout, stops the other ranks
+  and refuses further steps. A worker found dead before a step fails it
+  at once; on CUDA, a death during a step's NCCL collectives may instead
+  end rank 0 through NCCL's watchdog at the timeout (see
+  :mod:`vllm.distributed.parallel_state`). Workers waiting for the next
+  step wait without a bound (an idle server sends no steps) but leave at
+  once when rank 0's process goes away (its connections close).
+- ``shutdown()`` (also on garbage collection and at exit) stops the workers
+  and leaves the world. One ``DPEngineCore`` per process at a time: the
+  ``torch.distributed`` world is process-global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed import ProcessGroup
+
+from vllm.distributed import (
+    CollectiveError,
+    destroy_distributed_environment,
+    get_distributed_init_method,
+    get_open_port,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats
+from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+_HOST = "127.0.0.1"  # one node
+_IDLE_TIMEOUT = timedelta(days=365)
+"""Workers wait this long for rank 0's next step: a server may idle for
+hours between requests; a dead rank 0 still ends the wait at once."""
+_JOIN_TIMEOUT_S = 30.0  # for workers told to stop
+_EXIT_GRACE_S = 1.0  # see _Workers.reap
+
+
+class DPEngineDeadError(RuntimeError):
+    """A rank died or a lockstep step failed: the engine is stopped."""
+
+
+@dataclass(frozen=True)
+class _NewRequest:
+    """What a rank needs to rebuild a request (no generator: the owning
+    rank seeds its own)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+
+    def to_request(self) -> Request:
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.eos_token_id,
+        )
+
+
+@dataclass(frozen=True)
+class _StepCommand:
+    """Rank 0's orders for one step, per rank; ``stop`` ends the workers."""
+
+    adds: list[list[_NewRequest]]
+    aborts: list[list[tuple[str, str]]]  # (request_id, reason)
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class _TokenDelta:
+    """A request's tokens produced in a step (and its finish reason)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class _RankReport:
+    deltas: list[_TokenDelta]
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+
+
+def _report(engine: EngineCore, deltas: list[_TokenDelta]) -> _RankReport:
+    pool = engine.pool
+    return _RankReport(
+        deltas,
+        len(engine.scheduler.running),
+        len(engine.scheduler.waiting),
+        pool.num_blocks - pool.num_free_blocks,
+        pool.num_blocks,
+    )
+
+
+@dataclass
+class _ControlGroups:
+    """gloo groups of all ranks for the step protocol's Python objects:
+    ``commands`` waits without a bound (see ``_IDLE_TIMEOUT``), ``reports``
+    under the engine's collective timeout."""
+
+    commands: ProcessGroup
+    reports: ProcessGroup
+
+    @classmethod
+    def create(cls, timeout: timedelta) -> _ControlGroups:
+        # Every rank calls new_group in the same order.
+        commands = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        reports = dist.new_group(backend="gloo", timeout=timeout)
+        return cls(commands, reports)
+
+    def broadcast_command(self, command: _StepCommand | None) -> _StepCommand:
+        """Rank 0 sends ``command``; the others pass None and receive it."""
+        box: list[Any] = [command]
+        _collective(
+            "broadcast of the step's commands",
+            lambda: dist.broadcast_object_list(box, src=0, group=self.commands),
+        )
+        result = box[0]
+        assert isinstance(result, _StepCommand)
+        return result
+
+    def gather_reports(self, report: _RankReport, rank: int) -> list[_RankReport]:
+        """Every rank's report on rank 0 (in rank order); [] elsewhere."""
+        size = dist.get_world_size(self.reports)
+        out: list[Any] | None = [None] * size if rank == 0 else None
+        _collective(
+            "gather of the ranks' step reports",
+            lambda: dist.gather_object(report, out, dst=0, group=self.reports),
+        )
+        return list(out or [])
+
+
+def _collective(op: str, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"{op} failed: a data-parallel rank died or stopped answering: {e}"
+        ) from e
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Rank ``rank``'s engine config: its own GPU on CUDA."""
+    if torch.device(config.device).type == "cuda":
+        return dataclasses.replace(config, device=f"cuda:{rank}")
+    return config
+
+
+def _join_world(config: EngineConfig, rank: int, port: int) -> _ControlGroups:
+    timeout = timedelta(seconds=config.distributed_timeout_s)
+    cuda = torch.device(config.device).type == "cuda"
+    init_distributed_environment(
+        config.data_parallel_size,
+        rank,
+        get_distributed_init_method(_HOST, port),
+        backend="nccl" if cuda else "gloo",
+        timeout=timeout,
+    )
+    initialize_model_parallel(1, config.data_parallel_size)
+    return _ControlGroups.create(timeout)
+
+
+# -- ranks 1..N-1 ------------------------------------------------------------
+
+
+@dataclass
+class _WorkerState:
+    """A worker rank's live requests and the output tokens rank 0 has."""
+
+    requests: dict[str, Request] = field(default_factory=dict)
+    num_sent: dict[str, int] = field(default_factory=dict)
+
+    def apply(self, engine: EngineCore, command: _StepCommand, rank: int) -> None:
+        # Adds first: an abort in the same command may name a new request.
+        for new in command.adds[rank]:
+            request = new.to_request()
+            engine.add_request(request)
+            self.requests[new.request_id] = request
+            self.num_sent[new.request_id] = 0
+        for request_id, reason in command.aborts[rank]:
+            engine.finish_request(request_id, reason)  # frees its blocks
+            self.requests.pop(request_id, None)
+            self.num_sent.pop(request_id, None)
+
+    def deltas(self) -> list[_TokenDelta]:
+        """New tokens and finishes since the last call; forgets finished
+        requests."""
+        out = []
+        for request_id, request in list(self.requests.items()):
+            start = self.num_sent[request_id]
+            if len(request.output_token_ids) == start and not request.finish_reason:
+                continue
+            out.append(
+                _TokenDelta(
+                    request_id,
+                    request.output_token_ids[start:],
+                    request.output_logprobs[start:],
+                    request.top_logprobs[start:],
+                    request.finish_reason,
+                )
+            )
+            self.num_sent[request_id] = len(request.output_token_ids)
+            if request.finish_reason is not None:
+                del self.requests[request_id], self.num_sent[request_id]
+        return out
+
+
+def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    """Rank ``rank`` (>= 1): build the engine, then follow rank 0's steps
+    until told to stop. Any error ends the process (rank 0 then fails its
+    step with the exit code)."""
+    # Rank 0 governs this process's life: a terminal's Ctrl-C reaches the
+    # whole process group, and rank 0 stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if torch.device(config.device).type == "cpu":
+        # The ranks share the machine's cores.
+        torch.set_num_threads(
+            max(1, (os.cpu_count() or 1) // config.data_parallel_size)
+        )
+    control = _join_world(config, rank, port)
+    try:
+        engine = EngineCore(_rank_config(config, rank))
+        state = _WorkerState()
+        while not (command := control.broadcast_command(None)).stop:
+            state.apply(engine, command, rank)
+            if engine.has_unfinished_requests():
+                engine.step()
+            else:
+                engine.execute_dummy_batch()
+            control.gather_reports(_report(engine, state.deltas()), rank)
+    except BaseException:
+        # The world is broken (or rank 0 gone): leaving it could block, and
+        # no one would stop this process. The traceback is the verdict.
+        traceback.print_exc()
+        os._exit(1)
+    destroy_distributed_environment()
+
+
+# -- rank 0 ------------------------------------------------------------------
+
+
+@dataclass
+class _Workers:
+    """Ranks 1..N-1 as rank 0 sees them; ``stop`` is the finalizer (it must
+    not reference the engine)."""
+
+    processes: list[BaseProcess]
+    control: _ControlGroups | None = None
+    stopped: bool = False
+
+    def dead(self) -> list[str]:
+        """The workers that exited, named with their exit codes."""
+        return [
+            f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            for rank, p in enumerate(self.processes, start=1)
+            if not p.is_alive()
+        ]
+
+    def reap(self) -> list[str]:
+        """:meth:`dead` after giving workers on their way out (one that
+        raised) a moment to exit, so that errors name them."""
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return self.dead()
+
+    def stop(self, *, graceful: bool) -> None:
+        """Stop every worker (asked to, when ``graceful`` and the world is
+        sound; killed otherwise or when they do not leave) and leave the
+        world."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if graceful and self.control is not None and not self.dead():
+            size = len(self.processes) + 1
+            try:
+                self.control.broadcast_command(
+                    _StepCommand([[]] * size, [[]] * size, stop=True)
+                )
+            except CollectiveError:
+                logger.warning("a data-parallel worker missed the stop command")
+        for p in self.processes:
+            p.join(_JOIN_TIMEOUT_S if graceful else 0.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        destroy_distributed_environment()
+
+
+class DPEngineCore(EngineCore):
+    """``data_parallel_size`` engine ranks with sharded experts, driven from
+    this process (rank 0); see the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.expert_parallel:
+            raise ValueError(
+                f"data_parallel_size: DPEngineCore runs > 1 ranks with "
+                f"enable_expert_parallel, got data_parallel_size="
+                f"{config.data_parallel_size}, enable_expert_parallel="
+                f"{config.enable_expert_parallel}; use EngineCore"
+            )
+        cuda = torch.device(config.device).type == "cuda"
+        if cuda and config.data_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"data_parallel_size: expected <= the {torch.cuda.device_count()} "
+                f"visible GPUs (one per rank), got {config.data_parallel_size}"
+            )
+        if dist.is_initialized():
+            raise RuntimeError(
+                "DPEngineCore: this process is already in a torch.distributed "
+                "world (another DPEngineCore?); shut that down first"
+            )
+        size = config.data_parallel_size
+        port = get_open_port(_HOST)
+        ctx = mp.get_context("spawn")
+        workers = _Workers(
+            [
+                ctx.Process(
+                    target=_worker_main,
+                    args=(config, rank, port),
+                    name=f"vllm-dp-rank{rank}",
+                    daemon=True,  # never outlive the front process
+                )
+                for rank in range(1, size)
+            ]
+        )
+        for p in workers.processes:
+            p.start()
+        self._workers = workers
+        self._finalizer = weakref.finalize(self, workers.stop, graceful=True)
+        try:
+            workers.control = _join_world(config, 0, port)
+            super().__init__(_rank_config(config, 0))
+        except BaseException as e:
+            dead = workers.reap()
+            workers.stop(graceful=False)
+            # A refused configuration fails every rank alike: say why.
+            if dead and not isinstance(e, ValueError):
+                raise DPEngineDeadError(
+                    f"data-parallel engine: start-up failed; {'; '.join(dead)}"
+                ) from e
+            raise
+        self._remote: dict[str, tuple[int, Request]] = {}  # id -> (rank, request)
+        self._adds: list[list[_NewRequest]] = [[] for _ in range(size)]
+        self._aborts: list[list[tuple[str, str]]] = [[] for _ in range(size)]
+        self._reports = [_report(self, [])] * size  # before the first step
+        self._dead: BaseException | None = None
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """The worker processes of ranks 1..N-1."""
+        return self._workers.processes
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the world (idempotent)."""
+        self._finalizer()
+
+    # -- requests ------------------------------------------------------------
+
+    def _load(self, rank: int) -> int:
+        if rank == 0:
+            return len(self.scheduler.running) + len(self.scheduler.waiting)
+        return sum(1 for r, _ in self._remote.values() if r == rank)
+
+    def add_request(self, request: Request) -> None:
+        """Check ``request`` and queue it on the least-loaded rank."""
+        self._check_alive()
+        self.check_request(request)
+        request_id = request.request_id
+        if request_id in self._remote or self.scheduler.has_request(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        rank = min(range(self.config.data_parallel_size), key=self._load)
+        if rank == 0:
+            super().add_request(request)
+            return
+        self._adds[rank].append(
+            _NewRequest(
+                request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                request.eos_token_id,
+            )
+        )
+        self._remote[request_id] = (rank, request)
+
+    def finish_request(self, request_id: str, reason: str = "abort") -> None:
+        """Finish the request now; another rank frees its blocks at the next
+        step. A no-op for unknown or finished requests."""
+        if request_id not in self._remote:
+            super().finish_request(request_id, reason)
+            return
+        rank, request = self._remote.pop(request_id)
+        request.finish(reason)
+        self._aborts[rank].append((request_id, reason))
+
+    def has_unfinished_requests(self) -> bool:
+        return (
+            super().has_unfinished_requests()
+            or bool(self._remote)
+            or any(self._adds)
+            or any(self._aborts)
+        )
+
+    def stats(self) -> SchedulerStats:
+        """All ranks' requests and KV cache usage (other ranks' as of the
+        last step)."""
+        reports = [_report(self, []), *self._reports[1:]]
+        return SchedulerStats(
+            sum(r.num_running for r in reports),
+            sum(r.num_waiting for r in reports),
+            sum(r.num_used_blocks for r in reports)
+            / sum(r.num_blocks for r in reports),
+        )
+
+    # -- the step ------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise DPEngineDeadError(
+                f"data-parallel engine: stopped after a failure: {self._dead}"
+            )
+
+    def step(self) -> list[Request]:
+        """One lockstep step of every rank; the requests that finished."""
+        self._check_alive()
+        if dead := self._workers.dead():  # before collectives that could hang
+            self._fail(DPEngineDeadError("; ".join(dead)))
+        control = self._workers.control
+        assert control is not None
+        size = self.config.data_parallel_size
+        command = _StepCommand(self._adds, self._aborts)
+        self._adds = [[] for _ in range(size)]
+        self._aborts = [[] for _ in range(size)]
+        try:
+            control.broadcast_command(command)
+            if super().has_unfinished_requests():
+                finished = super().step()
+            else:
+                finished = []
+                self.execute_dummy_batch()
+            reports = control.gather_reports(_report(self, []), 0)
+        except Exception as e:
+            self._fail(e)
+        self._reports = reports
+        for report in reports[1:]:
+            finished += self._apply(report)
+        return finished
+
+    def _apply(self, report: _RankReport) -> list[Request]:
+        """Append a rank's new tokens to the caller's requests; those that
+        finished."""
+        finished = []
+        for delta in report.deltas:
+            if delta.request_id not in self._remote:
+                continue  # finished here meanwhile (an abort in flight)
+            _, request = self._remote[delta.request_id]
+            for token, logprob, top in zip(
+                delta.token_ids, delta.logprobs, delta.top_logprobs, strict=True
+            ):
+                request.append_token(token, logprob, top)
+            if delta.finish_reason is not None:
+                request.finish(delta.finish_reason)
+                del self._remote[delta.request_id]
+                finished.append(request)
+        return finished
+
+    def _fail(self, error: Exception) -> NoReturn:
+        """Stop every rank and raise: the ranks are out of step now."""
+        dead = self._workers.reap()
+        self._dead = error
+        self._workers.stop(graceful=False)
+        if dead:
+            raise DPEngineDeadError(
+                f"data-parallel engine: {'; '.join(dead)}; stopped all ranks"
+            ) from error
+        raise DPEngineDeadError(
+            f"data-parallel engine: a step failed on rank 0, stopped all ranks: "
+            f"{error!r}"
+        ) from error
