@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's int64 range
+
 
 @dataclass
 class SamplingParams:
@@ -42,6 +44,12 @@ class SamplingParams:
                 self.logprobs,
             ),
             ("stop", all(self.stop_strings), "non-empty strings", self.stop),
+            (
+                "seed",
+                self.seed is None or 0 <= self.seed <= MAX_SEED,
+                f"None or in [0, {MAX_SEED}]",
+                self.seed,
+            ),
         )
         for name, ok, expected, got in checks:
             if not ok:

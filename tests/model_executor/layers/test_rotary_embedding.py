@@ -25,3 +25,9 @@ def test_matches_transformers_rotation():
     assert torch.equal(ours_q[0], q[0])  # position 0 is not rotated
     with pytest.raises(ValueError, match="head_size: expected an even number"):
         RotaryEmbedding(31, theta, 4096)
+
+
+def test_layers_share_one_angle_table():
+    first, second = RotaryEmbedding(64, 1e6, 1024), RotaryEmbedding(64, 1e6, 1024)
+    assert first.cos_sin.data_ptr() == second.cos_sin.data_ptr()
+    assert RotaryEmbedding(64, 1e4, 1024).cos_sin.data_ptr() != first.cos_sin.data_ptr()

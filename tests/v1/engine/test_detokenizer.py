@@ -74,3 +74,10 @@ def test_random_tokens_and_specials_add_up_to_the_whole_decode(tokenizer, seed):
         ids, skip_special_tokens=True
     )
     assert not any(piece.endswith("\ufffd") for piece in pieces)
+
+
+def test_flush_cuts_at_a_stop_string_in_the_held_back_tail(tokenizer):
+    ids = tokenizer("ab✓")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, stop=["b"])
+    assert detok.update(ids[:-1]) == ""  # ends in a partial character
+    assert detok.flush() == "a" and detok.stopped and detok.text == "a"

@@ -71,6 +71,8 @@ def test_samples_follow_the_filtered_distribution():
         ("max_tokens", 0),
         ("logprobs", -1),
         ("stop", [""]),
+        ("seed", 2**64),
+        ("seed", -1),
     ],
 )
 def test_bad_values_are_named(field, value):

@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm.sampling_params import MAX_SEED
+
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -65,7 +67,7 @@ class SamplingRequest(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - 128)  # choice i: seed + i
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # -1 or 0: every token (vLLM's spelling)

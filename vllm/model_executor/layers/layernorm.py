@@ -12,8 +12,8 @@ from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_refer
 
 class RMSNorm(nn.Module):
     """``weight * (x / rms(x))``: normalized in fp32, rounded to ``x``'s dtype,
-    then scaled (in that order, as ``transformers``' Llama/Qwen norms do, so
-    16-bit outputs match them bit for bit)."""
+    then scaled (in that order, as ``transformers``' Llama/Qwen norms do; the
+    CUDA kernel's fp32 sum order may move a 16-bit rounding by an ulp)."""
 
     def __init__(
         self,

@@ -149,7 +149,8 @@ class Qwen3MoeAttention(nn.Module):
         q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        if runs_gpu_kernels(q):  # norms and rotations in one kernel per tensor
+        # norms and rotations in one kernel per tensor (power-of-two heads)
+        if runs_gpu_kernels(q) and not self.head_dim & (self.head_dim - 1):
             cos_sin = self.rotary_emb.cos_sin
             for x, norm in ((q, self.q_norm), (k, self.k_norm)):
                 qk_norm_rope_(x, norm.weight, norm.eps, cos_sin, positions)

@@ -42,22 +42,27 @@ class IncrementalDetokenizer:
             self._complete += new_text
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.token_ids)
-        complete = self._complete
         hold = max((len(s) for s in self.stop), default=1) - 1
-        # A stop string may begin in text already emitted or held back.
-        start = max(0, len(self.text) - hold)
-        hits = [h for h in (complete.find(s, start) for s in self.stop) if h >= 0]
-        if hits:
-            self.stopped = True
-            return self._emit(complete[: min(hits)])
-        return self._emit(complete[: len(complete) - hold])
+        return self._emit_until_stop(self._complete, hold)
 
     def flush(self) -> str:
         """At the request's end: what was held back (bytes that never became a
-        character decode to U+FFFD)."""
+        character decode to U+FFFD), up to a stop string in it."""
         if self.stopped:
             return ""
-        return self._emit(self._complete + self._window_text())
+        return self._emit_until_stop(self._complete + self._window_text(), 0)
+
+    def _emit_until_stop(self, text: str, hold: int) -> str:
+        """Emit ``text`` up to its first stop string, else all but its last
+        ``hold`` characters."""
+        hold_back = max((len(s) for s in self.stop), default=1) - 1
+        # A stop string may begin in text already emitted or held back.
+        start = max(0, len(self.text) - hold_back)
+        hits = [h for h in (text.find(s, start) for s in self.stop) if h >= 0]
+        if hits:
+            self.stopped = True
+            return self._emit(text[: min(hits)])
+        return self._emit(text[: len(text) - hold])
 
     def _window_text(self) -> str:
         """Text of the tokens after ``_read_offset``, decoded after their

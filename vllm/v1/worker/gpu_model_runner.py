@@ -176,8 +176,14 @@ class GPUModelRunner:
         blocks ``pool`` holds. Call inside ``on_stream()``."""
         num_seqs = len(chunks)
         num_tokens = self._fill_inputs(chunks, pool)
-        ends = self.query_start_loc[1 : num_seqs + 1] - 1
-        rows = ends[torch.tensor([c.samples for c in chunks], device=self.device)]
+        # Rows of the chunks that sample, from the host (a device mask would
+        # sync before the replay).
+        ends, end = [], 0
+        for chunk in chunks:
+            end += chunk.end - chunk.start
+            if chunk.samples:
+                ends.append(end - 1)
+        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
         decode = num_tokens == num_seqs
         size = min((s for s in self.graphs if s >= num_seqs), default=None)
         if decode and size is not None:
@@ -212,12 +218,12 @@ class GPUModelRunner:
             positions % self.block_size
         )
         n, num_tokens = len(chunks), len(ids)
-        self.input_ids[:num_tokens].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:num_tokens].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
-        self.query_start_loc[: n + 1].copy_(query_start, non_blocking=True)
-        self.seq_lens[:n].copy_(starts + query_lens, non_blocking=True)
-        self.block_table[:n, :width].copy_(table, non_blocking=True)
+        self.input_ids[:num_tokens].copy_(torch.tensor(ids))
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(slots)
+        self.query_start_loc[: n + 1].copy_(query_start)
+        self.seq_lens[:n].copy_(starts + query_lens)
+        self.block_table[:n, :width].copy_(table)
         return num_tokens
 
     def _fill_decode_padding(self, start: int, size: int) -> None:

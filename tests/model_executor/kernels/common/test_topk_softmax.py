@@ -41,3 +41,11 @@ def test_strided_rows_ties_and_no_tokens(device):
     assert empty_w.shape == empty_ids.shape == (0, 3)
     with pytest.raises(ValueError, match=r"topk in 1\.\.12"):
         topk_softmax(logits, 13, True)
+
+
+def test_a_nan_row_still_routes_to_valid_experts(device):
+    logits = torch.randn(3, 60, device=device)
+    logits[1, 5] = float("nan")
+    _, ids = topk_softmax(logits, 4, renormalize=True)
+    assert ((ids >= 0) & (ids < 60)).all()
+    torch.testing.assert_close(ids[[0, 2]], topk_softmax(logits[[0, 2]], 4, True)[1])

@@ -137,6 +137,17 @@ def test_no_tokens_and_bad_metadata(device):
             3,
             1.0,
         )
+    with pytest.raises(ValueError, match="value_cache/key_cache: expected"):
+        triton_paged_attention(
+            q,
+            cache[0],
+            cache[1].transpose(1, 2).contiguous().transpose(1, 2),  # other strides
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            3,
+            1.0,
+        )
     with pytest.raises(ValueError, match="query_start_loc/block_table"):
         triton_paged_attention(
             q,

@@ -32,13 +32,16 @@ def _topk_softmax_kernel(
     x = tl.load(logits_ptr + t * stride_logits + e, mask=valid, other=float("-inf"))
     x = x.to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # -1: below every probability
+    # -1: below every probability; a NaN row (overflowed logits) still
+    # yields ids in range, never a lane past the experts
+    p = p / tl.sum(p, 0)
+    p = tl.where(valid & (p == p), p, -1.0)
     k = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
     for i in tl.static_range(K):
         best = tl.max(p, 0)
-        chosen = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        chosen = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), num_experts - 1)
         weights = tl.where(k == i, best, weights)
         ids = tl.where(k == i, chosen, ids)
         p = tl.where(e == chosen, -1.0, p)

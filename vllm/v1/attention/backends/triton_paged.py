@@ -222,9 +222,16 @@ def triton_paged_attention(
             f"key_cache: expected [blocks, page, kv_heads dividing {heads}, "
             f"{head_dim}], got {tuple(key_cache.shape)}"
         )
-    if key_cache.dtype != q.dtype or value_cache.shape != key_cache.shape:
+    if (
+        key_cache.dtype != q.dtype
+        or value_cache.dtype != q.dtype
+        or value_cache.shape != key_cache.shape
+        or value_cache.stride() != key_cache.stride()
+        or key_cache.stride(3) != 1
+    ):
         raise ValueError(
-            f"value_cache/key_cache: expected {q.dtype} and equal shapes, got "
+            f"value_cache/key_cache: expected {q.dtype}, equal shapes and strides "
+            f"and contiguous head_size, got "
             f"{key_cache.dtype} {tuple(key_cache.shape)} and {value_cache.dtype} "
             f"{tuple(value_cache.shape)}"
         )
@@ -246,7 +253,7 @@ def triton_paged_attention(
         )
     if max_query_len < 1 or q.stride(2) != 1:
         raise ValueError(
-            f"q/max_query_len: expected unit-stride heads and >= 1, got "
+            f"q/max_query_len: expected a contiguous head_size and >= 1, got "
             f"{q.stride()} and {max_query_len}"
         )
     out = q.new_empty(tokens, heads, head_dim)
