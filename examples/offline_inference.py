@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.model_executor.model_loader.tiny_checkpoint import demo_checkpoint
 from vllm.v1.worker.workspace import current_workspace_manager
 
-TINY = Path("out/tiny-qwen3-moe")
 PROMPTS = ["def load(fp, *, cls=None):", "import json\n", "The decoder", '{"a": [']
 
 
@@ -34,12 +33,7 @@ def main() -> None:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu"
     )
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        model = TINY
-        if not (TINY / "config.json").is_file():
-            build_tiny_checkpoint(TINY)
-            print(f"built a tiny random Qwen3-MoE in {TINY}")
+    model = args.model or demo_checkpoint()
     llm = LLM(model, device=args.device, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for out in llm.generate(PROMPTS, params):

@@ -24,9 +24,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.model_executor.model_loader.tiny_checkpoint import demo_checkpoint
 
-TINY = Path("out/tiny-qwen3-moe")
 METRICS = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
@@ -61,12 +60,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-model-len", type=int, default=512)
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        model = TINY
-        if not (TINY / "config.json").is_file():
-            build_tiny_checkpoint(TINY)
-            print(f"built a tiny random Qwen3-MoE in {TINY}")
+    model = args.model or demo_checkpoint()
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]

@@ -87,3 +87,12 @@ def build_tiny_checkpoint(
     if with_tokenizer:
         train_tokenizer(config.vocab_size).save_pretrained(path)
     return model
+
+
+def demo_checkpoint(path: Path = Path("out/tiny-qwen3-moe")) -> Path:
+    """The examples' model: ``path``, built there (with its tokenizer) on
+    first use."""
+    if not (path / "config.json").is_file():
+        build_tiny_checkpoint(path)
+        print(f"built a tiny random Qwen3-MoE in {path}")
+    return path
