@@ -218,12 +218,14 @@ class GPUModelRunner:
             positions % self.block_size
         )
         n, num_tokens = len(chunks), len(ids)
-        self.input_ids[:num_tokens].copy_(torch.tensor(ids))
-        self.positions[:num_tokens].copy_(positions)
-        self.slot_mapping[:num_tokens].copy_(slots)
-        self.query_start_loc[: n + 1].copy_(query_start)
-        self.seq_lens[:n].copy_(starts + query_lens)
-        self.block_table[:n, :width].copy_(table)
+        # non_blocking: no stream sync per copy; the driver stages pageable
+        # host memory before the call returns, so the host tensors may go.
+        self.input_ids[:num_tokens].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
+        self.query_start_loc[: n + 1].copy_(query_start, non_blocking=True)
+        self.seq_lens[:n].copy_(starts + query_lens, non_blocking=True)
+        self.block_table[:n, :width].copy_(table, non_blocking=True)
         return num_tokens
 
     def _fill_decode_padding(self, start: int, size: int) -> None:
