@@ -14,16 +14,12 @@ is in flight and exits 0).
 from __future__ import annotations
 
 import argparse
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 
+from vllm.entrypoints.serve_process import ServeProcess
 from vllm.model_executor.model_loader.tiny_checkpoint import demo_checkpoint
 
 METRICS = (
@@ -34,26 +30,6 @@ METRICS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(base: str, server: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"vllm serve exited with {server.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"vllm serve did not become healthy in {timeout_s:.0f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a local checkpoint directory")
@@ -61,16 +37,16 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     args = parser.parse_args()
     model = args.model or demo_checkpoint()
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--max-model-len", str(args.max_model_len), "--served-model-name", "demo"]
-    print("$", " ".join(cmd))
-    server = subprocess.Popen(cmd)
+    serve_args = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--served-model-name",
+        "demo",
+    ]
+    print("$ vllm serve", model, " ".join(serve_args))
+    server = ServeProcess(model, serve_args, startup_s=300)
     try:
-        _wait_healthy(base, server, timeout_s=300)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=server.url_for("v1"), api_key="unused")
         reply = client.chat.completions.create(
             model="demo",
             messages=[{"role": "user", "content": "Say hello to the MoE engine."}],
@@ -80,13 +56,11 @@ def main() -> None:
         choice = reply.choices[0]
         print(f"reply: {choice.message.content!r} ({choice.finish_reason})")
         print(f"usage: {reply.usage}")
-        metrics = httpx.get(f"{base}/metrics").text.splitlines()
-        for line in metrics:
+        for line in httpx.get(server.url_for("metrics")).text.splitlines():
             if line.startswith(METRICS):
                 print("metrics:", line)
     finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=60)
+        code = server.stop()
         print(f"vllm serve stopped (exit code {code})")
     if code != 0:
         raise SystemExit(code)

@@ -283,7 +283,7 @@ def test_bad_configs(device):
     with pytest.raises(ValueError, match="experts_per_token"):
         moe_config(device, experts_per_token=0)
     with pytest.raises(ValueError, match="ep_size"):
-        moe_config(device, ep_size=17)  # more ranks than the 16 experts
+        moe_config(device, ep_size=17, num_experts=16)  # more ranks than experts
     with pytest.raises(ValueError, match="in_dtype"):
         FusedMoEConfig(8, 2, 128, 64, in_dtype=torch.float64)
     with pytest.raises(ValueError, match="activation"):
