@@ -12,7 +12,8 @@ Modules: :mod:`.api` (the calls and their argument checks), :mod:`.dispatch`
 interleaved w13 and group-scaled activations), :mod:`.triton_kernels`,
 :mod:`.hopper_common` / :mod:`.hopper_plain` / :mod:`.hopper_gated` (the
 warp-specialized Gluon kernels for sm90), :mod:`.reference` (plain PyTorch:
-the oracle and the CPU path). Callers use the names re-exported here.
+the oracle and the CPU path), and :mod:`.decode` (decode batches: the two
+expert GEMMs route by route, without the sort). Callers use the names re-exported here.
 """
 
 from vllm.model_executor.kernels.grouped_gemm.api import (
@@ -20,6 +21,12 @@ from vllm.model_executor.kernels.grouped_gemm.api import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
     grouped_gemm_gated,
+)
+from vllm.model_executor.kernels.grouped_gemm.decode import (
+    DECODE_MAX_TOKENS,
+    DecodeConfig,
+    moe_decode,
+    moe_decode_reference,
 )
 from vllm.model_executor.kernels.grouped_gemm.dispatch import (
     GroupedGemmConfig,
@@ -44,6 +51,8 @@ from vllm.model_executor.kernels.grouped_gemm.reference import (
 )
 
 __all__ = [
+    "DECODE_MAX_TOKENS",
+    "DecodeConfig",
     "GroupedGemmConfig",
     "MoEGemmKernels",
     "act_groups",
@@ -59,6 +68,8 @@ __all__ = [
     "grouped_gemm_gated_reference",
     "grouped_gemm_reference",
     "interleave_gate_up",
+    "moe_decode",
+    "moe_decode_reference",
     "moe_gemm_kernels",
     "quantize_groups_reference",
     "takes_gluon",

@@ -13,6 +13,11 @@ intermediate in memory:
 4. GEMM2 reads that, quantized to fp8, and writes its rows into workspace2;
 5. the unpermute reduces each token's top-k rows into the output.
 
+Decode batches (up to ``DECODE_MAX_TOKENS`` tokens) skip all of it but the
+GEMMs: :mod:`~vllm.model_executor.kernels.grouped_gemm.decode` runs GEMM1
+route by route on the unquantized tokens (w8a16) and GEMM2 with the
+unpermute in one kernel.
+
 Where both GEMMs run the Hopper kernels (above 64 routes per local expert
 on average), GEMM1 quantizes its own output in groups of 128 columns, into
 workspace13 after the tokens, and GEMM2 takes the group scales. Otherwise
@@ -34,6 +39,7 @@ import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.grouped_gemm import (
+    DECODE_MAX_TOKENS,
     act_groups,
     deinterleave_gate_up,
     grouped_gemm_fp8,
@@ -41,6 +47,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8_gated_reference,
     grouped_gemm_fp8_reference,
     interleave_gate_up,
+    moe_decode,
     moe_gemm_kernels,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
@@ -60,6 +67,9 @@ from vllm.v1.worker.workspace import ALIGNMENT
 
 
 class TritonExpertsFp8(Fp8ChannelExperts):
+    # Token counts up to this take the decode kernels (benchmarks lower it).
+    decode_max_tokens: int = DECODE_MAX_TOKENS
+
     def __init__(
         self,
         moe: FusedMoEConfig,
@@ -111,6 +121,22 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         moe = self.moe
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
+        if runs_gpu_kernels(hidden_states) and num_tokens <= self.decode_max_tokens:
+            act = carve(workspace2, (rows, inter), output.dtype)
+            moe_decode(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                self.w13,
+                self.w13_scale,
+                self.w2,
+                self.w2_scale,
+                expert_map,
+                moe.activation,
+                act,
+                output,
+            )
+            return
         a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)

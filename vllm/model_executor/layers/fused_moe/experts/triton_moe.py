@@ -10,6 +10,10 @@ with the permute and the activation fused into GEMM1.
 3. GEMM2 reads that and writes its rows into workspace13;
 4. the unpermute reduces each token's top-k rows into the output.
 
+Decode batches (up to ``DECODE_MAX_TOKENS`` tokens) skip the sort: GEMM1
+route by route into workspace2, then GEMM2 and the unpermute in one kernel
+(:mod:`~vllm.model_executor.kernels.grouped_gemm.decode`).
+
 Against :class:`GroupedMMExperts` (``torch._grouped_mm``, which takes
 permuted contiguous rows and returns the whole [R, 2I] product) this leaves
 out the permuted copy of the tokens, the product and the activation pass:
@@ -32,12 +36,14 @@ from vllm.model_executor.kernels.common.device_info import (
     runs_gpu_kernels,
 )
 from vllm.model_executor.kernels.grouped_gemm import (
+    DECODE_MAX_TOKENS,
     deinterleave_gate_up,
     grouped_gemm,
     grouped_gemm_gated,
     grouped_gemm_gated_reference,
     grouped_gemm_reference,
     interleave_gate_up,
+    moe_decode,
 )
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.unquantized import (
@@ -51,6 +57,9 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 
 
 class TritonExperts(UnquantizedExperts):
+    # Token counts up to this take the decode kernels (benchmarks lower it).
+    decode_max_tokens: int = DECODE_MAX_TOKENS
+
     def __init__(
         self, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
     ) -> None:
@@ -99,12 +108,27 @@ class TritonExperts(UnquantizedExperts):
         if not hidden_states.is_contiguous() or hidden_states.data_ptr() % 16:
             # GEMM1 reads token rows by 16-byte copies: copy a strided input.
             hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
+        kernels = runs_gpu_kernels(hidden_states)
+        act = carve(workspace2, (rows, moe.intermediate_size), dtype)
+        if kernels and hidden_states.shape[0] <= self.decode_max_tokens:
+            moe_decode(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                self.w13,
+                None,
+                self.w2,
+                None,
+                expert_map,
+                moe.activation,
+                act,
+                output,
+            )
+            return
         scratch = self.permute_scratch(hidden_states.device)
         offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
-        kernels = runs_gpu_kernels(hidden_states)
         gated = grouped_gemm_gated if kernels else grouped_gemm_gated_reference
         gemm = grouped_gemm if kernels else grouped_gemm_reference
-        act = carve(workspace2, (rows, moe.intermediate_size), dtype)
         gated(
             hidden_states,
             scratch.permuted_idx[:rows],

@@ -1,0 +1,196 @@
+"""The MoE layer at decode sizes against the bytes it must read.
+
+For bf16 (``triton``) and fp8 (``triton_fp8``) experts at each token count:
+the layer as the model calls it (routing from logits, then the modular
+kernel), timed under CUDA-graph replay, once on the decode kernels
+(route by route, :mod:`~vllm.model_executor.kernels.grouped_gemm.decode`)
+and once on the sorted path; the bound (the distinct routed experts'
+weights read once at the copy bandwidth measured in the same run), each
+time's ratio to it, and the kernel launches per call (profiled). With
+``--sweep`` it also times the decode kernels alone over a grid of tiles and
+prints the fastest per token count up to 8.
+
+    python -m benchmarks.kernels.benchmark_moe_decode --tokens 1 2 4 8 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
+from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+    QuantScheme,
+)
+from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
+    TritonExpertsFp8,
+)
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.layer import make_experts
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEModularKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
+
+SCHEMES = {
+    "bf16": ("triton", QuantScheme.UNQUANTIZED),
+    "fp8": ("triton_fp8", QuantScheme.FP8_PER_TOKEN),
+}
+ITERS = 20  # layer calls per graph, each with its own routing
+
+
+@dataclass
+class Row:
+    weights: str
+    tokens: int
+    distinct_experts: float  # mean over the routings
+    bound_us: float
+    decode_us: float
+    sorted_us: float
+    decode_launches: int
+    sorted_launches: int
+
+    @property
+    def decode_ratio(self) -> float:
+        return self.decode_us / self.bound_us
+
+    @property
+    def sorted_ratio(self) -> float:
+        return self.sorted_us / self.bound_us
+
+
+def count_launches(step: Callable[[int], None]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(0)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def bench(
+    label: str, tokens: int, args: argparse.Namespace, bandwidth: float
+) -> tuple[Row, dict[str, float]]:
+    backend, scheme = SCHEMES[label]
+    device = torch.device("cuda")
+    e, k, i = args.num_experts, args.hidden_size, args.intermediate_size
+    moe = FusedMoEConfig(
+        e, args.topk, k, i, quant_config=FusedMoEQuantConfig(scheme=scheme)
+    )
+    w13 = (torch.randn(e, 2 * i, k, device=device) / k**0.5).bfloat16()
+    w2 = (torch.randn(e, k, i, device=device) / i**0.5).bfloat16()
+    experts = make_experts(moe, w13, w2, backend)
+    assert isinstance(experts, TritonExperts | TritonExpertsFp8)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
+    hidden = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(ITERS, tokens, e, device=device)
+
+    def layer(decode: bool) -> Callable[[int], None]:
+        def step(it: int) -> None:
+            experts.decode_max_tokens = tokens if decode else 0
+            kernel.forward(hidden, *fused_topk(hidden, logits[it], args.topk, True))
+
+        return step
+
+    steps = {"decode": layer(True), "sorted": layer(False)}
+    times = time_graphs_us(steps, ITERS)
+    launches = {name: count_launches(step) for name, step in steps.items()}
+    ids = [fused_topk(hidden, logits[it], args.topk, True)[1] for it in range(ITERS)]
+    distinct = sum(len(x.unique()) for x in ids) / ITERS
+    itemsize = 1 if label == "fp8" else 2
+    expert_bytes = 3 * i * k * itemsize + (3 * i + k) * 4 * (label == "fp8")
+    bound_us = distinct * expert_bytes / (bandwidth * 1e9) * 1e6
+    row = Row(
+        label, tokens, distinct, bound_us, times["decode"], times["sorted"],
+        launches["decode"], launches["sorted"],
+    )  # fmt: skip
+    sweep = sweep_tiles(experts, hidden, ids[0]) if args.sweep and tokens <= 8 else {}
+    return row, sweep
+
+
+def sweep_tiles(
+    experts: TritonExperts | TritonExpertsFp8, hidden: torch.Tensor, ids: torch.Tensor
+) -> dict[str, float]:
+    """The decode kernels alone, per tile configuration."""
+    moe = experts.moe
+    weights = torch.rand(ids.shape, device=hidden.device)
+    act = torch.empty(ids.numel(), moe.intermediate_size, device=hidden.device)
+    act = act.to(hidden.dtype)
+    out = torch.empty_like(hidden)
+    scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
+    steps = {}
+    for gn, gk, dn, dk, warps in itertools.product(
+        (8, 16, 32), (128, 256, 512), (8, 16, 32), (128, 256), (4,)
+    ):
+        config = DecodeConfig(gn, gk, dn, dk, warps)
+
+        def step(it: int, config: DecodeConfig = config) -> None:
+            moe_decode(
+                hidden, ids, weights, experts.w13, scales[0], experts.w2, scales[1],
+                None, moe.activation, act, out, config,
+            )  # fmt: skip
+
+        steps[str(config)] = step
+    return time_graphs_us(steps, ITERS, repeats=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--weights", nargs="+", choices=sorted(SCHEMES), default=None)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--num-experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--intermediate-size", type=int, default=768)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the tiles")
+    parser.add_argument("--output-json", type=Path, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_moe_decode times CUDA graphs: it needs a GPU")
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth_gbps(device)
+    init_workspace_manager(device)
+    rows, sweeps = [], {}
+    for label in args.weights or list(SCHEMES):
+        for tokens in args.tokens:
+            row, sweep = bench(label, tokens, args, bandwidth)
+            rows.append(row)
+            if sweep:
+                best = sorted(sweep.items(), key=lambda kv: kv[1])[:3]
+                sweeps[f"{label} @ {tokens}"] = best
+    reset_workspace_manager()
+    name = torch.cuda.get_device_name()
+    print(
+        f"device: {name}; copy {bandwidth:.0f} GB/s; experts {args.num_experts}, "
+        f"top-{args.topk}, hidden {args.hidden_size}, intermediate "
+        f"{args.intermediate_size}; layer = routing + experts, CUDA graphs"
+    )
+    print(
+        f"{'weights':<7} {'tokens':>6} {'experts':>7} {'bound us':>9} "
+        f"{'decode us':>10} {'x bound':>8} {'sorted us':>10} {'x bound':>8} "
+        f"{'launches':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r.weights:<7} {r.tokens:>6} {r.distinct_experts:>7.1f} "
+            f"{r.bound_us:>9.1f} {r.decode_us:>10.1f} {r.decode_ratio:>8.2f} "
+            f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
+            f"{r.decode_launches:>4}/{r.sorted_launches:<4}"
+        )
+    for key, best in sweeps.items():
+        print(f"fastest tiles, {key}: " + "; ".join(f"{c} {t:.1f} us" for c, t in best))
+    write_results(args.output_json, name, rows, bandwidth_gbps=bandwidth, sweeps=sweeps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The route-by-route decode kernels against their plain-PyTorch reference:
+poisoned outputs, repeated / first / last / invalid / non-local experts,
+fp8 weights with channel scales (CUDA), graph replay with new routing."""
+
+import pytest
+import torch
+
+from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
+from vllm.model_executor.kernels.grouped_gemm import (
+    DecodeConfig,
+    interleave_gate_up,
+    moe_decode,
+    moe_decode_reference,
+)
+
+# CPU (interpreter) sizes stay tiny; CUDA runs qwen3-30b-a3b's.
+CPU_DIMS = dict(experts=6, hidden=64, inter=48, topk=3)
+CUDA_DIMS = dict(experts=128, hidden=2048, inter=768, topk=8)
+SMALL_TILES = DecodeConfig(16, 32, 16, 32)  # several K steps at CPU sizes
+
+
+def dims(device):
+    return CUDA_DIMS if device.type == "cuda" else CPU_DIMS
+
+
+def make_weights(device, dtype, experts, hidden, inter, fp8=False):
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, device=device) / inter**0.5
+    w13 = interleave_gate_up(w13)
+    if fp8:
+        (w13, w13_scale), (w2, w2_scale) = map(per_channel_quant_fp8, (w13, w2))
+        return w13, w13_scale, w2, w2_scale
+    return w13.to(dtype), None, w2.to(dtype), None
+
+
+def routing(tokens, experts, topk, device, generator=None):
+    """Distinct experts per token, the first and last among them."""
+    ids = torch.stack(
+        [torch.randperm(experts, generator=generator)[:topk] for _ in range(tokens)]
+    )
+    if tokens:
+        ids[0, 0], ids[-1, -1] = 0, experts - 1
+    weights = torch.rand(tokens, topk, generator=generator)
+    return ids.to(device, torch.int32), weights.to(device)
+
+
+def run_both(x, ids, weights, w13, w13_scale, w2, w2_scale, expert_map, config):
+    tokens, hidden = x.shape
+    act = torch.full((ids.numel(), w2.shape[2]), float("nan"), device=x.device)
+    act = act.to(x.dtype)
+    out = torch.full((tokens, hidden), float("nan"), device=x.device, dtype=x.dtype)
+    args = (x, ids, weights, w13, w13_scale, w2, w2_scale, expert_map, "silu", act)
+    got = moe_decode(*args, out, config)
+    ref = moe_decode_reference(*args, torch.empty_like(out))
+    return got, ref
+
+
+def tolerance(dtype):
+    return {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}[dtype]
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 16, 64])
+def test_matches_reference(device, tokens):
+    if device.type == "cpu" and tokens > 7:
+        pytest.skip("interpreter: small sizes only")
+    torch.manual_seed(tokens)
+    d = dims(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    w13, _, w2, _ = make_weights(device, dtype, d["experts"], d["hidden"], d["inter"])
+    x = torch.randn(tokens, d["hidden"], device=device, dtype=dtype)
+    ids, weights = routing(tokens, d["experts"], d["topk"], device)
+    config = SMALL_TILES if device.type == "cpu" else None
+    got, ref = run_both(x, ids, weights, w13, None, w2, None, None, config)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def test_invalid_and_non_local_experts_add_nothing(device):
+    torch.manual_seed(1)
+    hidden, inter, topk = 64, 48, 3  # 8 global experts, 4 local
+    w13, _, w2, _ = make_weights(device, torch.float32, 4, hidden, inter)
+    x = torch.randn(4, hidden, device=device)
+    # Rank 1 of 2: global experts 4..7 are local 0..3.
+    expert_map = torch.tensor([-1] * 4 + [0, 1, 2, 3], dtype=torch.int32)
+    ids = torch.tensor(
+        [[4, 7, 0], [1, 2, 3], [-1, 8, 5], [5, 5, 6]],  # row 1: no local route
+        dtype=torch.int32,
+    )
+    weights = torch.rand(4, topk)
+    got, ref = run_both(
+        x, ids.to(device), weights.to(device), w13, None, w2, None,
+        expert_map.to(device), SMALL_TILES,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (got[1] == 0).all() and (got[[0, 2, 3]].abs().sum(1) > 0).all()
+    # Without a map, a route to a single expert equals that expert's share.
+    ids = torch.tensor([[2, -3, 99]], dtype=torch.int32, device=device)
+    one = torch.ones(1, topk, device=device)
+    got, ref = run_both(x[:1], ids, one, w13, None, w2, None, None, SMALL_TILES)
+    alone, _ = run_both(
+        x[:1], ids[:, :1], one[:, :1], w13, None, w2, None, None, SMALL_TILES
+    )
+    torch.testing.assert_close(got, alone)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_non_multiple_sizes_and_fp16(device):
+    torch.manual_seed(2)
+    hidden, inter = 40, 24  # neither a multiple of the tiles
+    w13, _, w2, _ = make_weights(device, torch.float16, 5, hidden, inter)
+    x = torch.randn(3, hidden, device=device, dtype=torch.float16)
+    ids, weights = routing(3, 5, 2, device)
+    got, ref = run_both(x, ids, weights, w13, None, w2, None, None, SMALL_TILES)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_no_tokens_launches_nothing(device):
+    w13, _, w2, _ = make_weights(device, torch.float32, 4, 64, 48)
+    x = torch.empty(0, 64, device=device)
+    ids = torch.empty(0, 2, dtype=torch.int32, device=device)
+    out = torch.empty(0, 64, device=device)
+    act = torch.empty(0, 48, device=device)
+    weights = torch.empty(0, 2, device=device)
+    moe_decode(x, ids, weights, w13, None, w2, None, None, "silu", act, out)
+
+
+def test_bad_arguments_are_named(device):
+    w13, _, w2, _ = make_weights(device, torch.float32, 4, 64, 48)
+    x = torch.randn(2, 64, device=device)
+    ids, weights = routing(2, 4, 2, device)
+    act, out = torch.empty(4, 48, device=device), torch.empty(2, 64, device=device)
+    good = dict(
+        x=x, topk_ids=ids, topk_weights=weights, w13=w13, w13_scale=None, w2=w2,
+        w2_scale=None, expert_map=None, activation="silu", act=act, out=out,
+    )  # fmt: skip
+    for name, bad in (
+        ("w2", w2[:, :32]),
+        ("w13_scale", torch.ones(4, 96, device=device)),  # scales for 16-bit weights
+        ("topk_weights", weights.double()),
+        ("act", act[:3]),
+        ("out", out.half()),
+        ("activation", "gelu"),
+        ("expert_map", torch.zeros(4, dtype=torch.int64, device=device)),
+    ):
+        with pytest.raises(ValueError, match=name):
+            moe_decode(**(good | {name: bad}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 and graphs: CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_fp8_weights_and_graph_replay(tokens):
+    torch.manual_seed(3)
+    device = torch.device("cuda")
+    d = CUDA_DIMS
+    w13, s13, w2, s2 = make_weights(device, None, 128, 2048, 768, fp8=True)
+    assert w13.dtype == FP8_DTYPE
+    x = torch.randn(tokens, 2048, device=device, dtype=torch.bfloat16)
+    ids, weights = routing(tokens, d["experts"], d["topk"], device)
+    act = torch.empty(tokens * 8, 768, device=device, dtype=torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    args = (x, ids, weights, w13, s13, w2, s2, None, "silu", act, out)
+    moe_decode(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_decode(*args)
+    for seed in range(2):  # new tokens and routing each replay
+        g = torch.Generator().manual_seed(seed)
+        new_ids, new_weights = routing(tokens, d["experts"], d["topk"], "cpu", g)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        x.copy_(torch.randn(x.shape, generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = moe_decode_reference(*args[:-1], torch.empty_like(out))
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)

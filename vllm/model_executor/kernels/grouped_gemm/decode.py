@@ -1,0 +1,333 @@
+"""The expert GEMMs of a decode batch, route by route: no sort, no permute.
+
+At a few tokens each routed expert sees one row, so the layer is two skinny
+matrix-vector products that only have to stream the routed experts'
+weights once. The sorted path (:mod:`.api`) spends launches on the sort and
+the unpermute there, and its 64/128-row tiles leave most SMs idle. Here:
+
+- GEMM1 (:func:`_decode_gated_kernel`): one program per (route, BLOCK_N
+  gate/up pairs of w13's interleaved rows) writes ``act(x[t] @ w13[e]^T)``
+  into row ``t * topk + k`` of ``act`` [T * topk, I].
+- GEMM2 and the unpermute (:func:`_decode_down_kernel`): one program per
+  (token, BLOCK_N output columns) sums ``topk_weights[t, k] * act[t*topk+k]
+  @ w2[e]^T`` over the token's routes in order (deterministic, no atomics)
+  and writes the output row.
+
+Each program streams its weight rows in 16-byte loads along K; with a few
+hundred programs the GPU keeps enough loads in flight to run at the memory
+bound. Weights are bf16/fp16, or fp8 with one fp32 scale per output channel
+([E, N]); activations stay in the input dtype (an fp8 layer's decode runs
+w8a16: no activation quantization pass). A route whose expert id is outside
+[0, E) or, under ``expert_map``, not local, adds nothing (its ``act`` row
+is not written); a token without local routes gets zeros. The grids depend
+only on the token count: the launches can be captured in a CUDA graph.
+
+:func:`moe_decode_reference` is the plain-PyTorch oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.kernels.common.activation_quant import (
+    ACTIVATIONS,
+    MODES,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    gated_act,
+    gated_act_reference,
+)
+from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
+from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
+
+# Up to this many tokens the expert layers take these kernels: per-route
+# weight reads cost little while few tokens share an expert (top-8 of 128:
+# ~7% re-read at 4 tokens); above it the sorted path reads each expert once.
+DECODE_MAX_TOKENS = 8
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, route_offset, num_experts, HAS_MAP: tl.constexpr):
+    """The route's local expert, or -1 (invalid id, or not local)."""
+    expert = tl.load(ids_ptr + route_offset).to(tl.int32)
+    valid = (expert >= 0) & (expert < num_experts)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=valid, other=-1).to(tl.int32)
+        valid = expert >= 0
+    return tl.where(valid, expert, -1)
+
+
+@triton.jit
+def _decode_gated_kernel(
+    x_ptr,
+    ids_ptr,
+    map_ptr,
+    w_ptr,
+    w_scale_ptr,
+    act_ptr,
+    K,
+    inter,
+    topk,
+    num_experts,
+    stride_x,
+    stride_ids,
+    stride_act,
+    HAS_MAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    route = tl.program_id(0)
+    token = route // topk
+    expert = _local_expert(
+        ids_ptr, map_ptr, token * stride_ids + route % topk, num_experts, HAS_MAP
+    )
+    if expert >= 0:
+        # 2 x BLOCK_N interleaved rows: gate 0, up 0, gate 1, ...
+        rows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        row_ok = rows < 2 * inter
+        w_rows = w_ptr + expert.to(tl.int64) * 2 * inter * K + rows[:, None] * K
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + token * stride_x + cols, mask=cols < K, other=0.0)
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        product = tl.sum(acc, axis=1)
+        if HAS_SCALE:
+            scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
+            product *= tl.load(scale_ptrs, mask=row_ok, other=0.0)
+        gate, up = tl.split(tl.reshape(product, (BLOCK_N, 2)))
+        act = gated_act(gate, up, MODE, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        cols_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(
+            act_ptr + route * stride_act + cols_out,
+            act.to(act_ptr.dtype.element_ty),
+            mask=cols_out < inter,
+        )
+
+
+@triton.jit
+def _decode_down_kernel(
+    act_ptr,
+    ids_ptr,
+    map_ptr,
+    topk_weights_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    inter,
+    hidden,
+    topk,
+    num_experts,
+    stride_act,
+    stride_ids,
+    stride_weights,
+    stride_out,
+    HAS_MAP: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k_route in range(topk):
+        expert = _local_expert(
+            ids_ptr, map_ptr, token * stride_ids + k_route, num_experts, HAS_MAP
+        )
+        if expert >= 0:
+            route = token * topk + k_route
+            w_rows = (
+                w_ptr + expert.to(tl.int64) * hidden * inter + rows[:, None] * inter
+            )
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                cols = k + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    act_ptr + route * stride_act + cols, mask=cols < inter, other=0.0
+                )
+                mask = row_ok[:, None] & (cols < inter)[None, :]
+                w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            product = tl.sum(acc, axis=1)
+            if HAS_SCALE:
+                scale_ptrs = w_scale_ptr + expert.to(tl.int64) * hidden + rows
+                product *= tl.load(scale_ptrs, mask=row_ok, other=0.0)
+            weight = tl.load(topk_weights_ptr + token * stride_weights + k_route)
+            out += weight * product
+    tl.store(
+        out_ptr + token * stride_out + rows,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs)."""
+
+    gated_block_n: int = 16
+    gated_block_k: int = 256
+    down_block_n: int = 16
+    down_block_k: int = 256
+    num_warps: int = 4
+
+
+def _check(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise naming the first argument that does not fit."""
+    tokens, hidden = x.shape if x.dim() == 2 else (-1, -1)
+    experts, two_inter = w13.shape[:2] if w13.dim() == 3 else (-1, -1)
+    inter = two_inter // 2
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+    weight_dtypes = (x.dtype, FP8_DTYPE)
+    scale_expected = "fp32 [E, N] for fp8 weights, else None"
+    for name, ok, expected, got in (
+        ("x", x.dim() == 2 and x.stride(1) == 1, "[T, K] with unit column stride",
+         f"{tuple(x.shape)} strides {x.stride()}"),
+        ("x", x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+         "bfloat16, float16 or float32", x.dtype),
+        ("w13", w13.dim() == 3 and w13.is_contiguous() and two_inter % 2 == 0
+         and w13.shape[2] == hidden and w13.dtype in weight_dtypes,
+         f"contiguous [E, 2I, {hidden}] {x.dtype} or fp8",
+         f"{tuple(w13.shape)} {w13.dtype}"),
+        ("w2", w2.is_contiguous() and tuple(w2.shape) == (experts, hidden, inter)
+         and w2.dtype == w13.dtype, f"contiguous [{experts}, {hidden}, {inter}] "
+         f"{w13.dtype}", f"{tuple(w2.shape)} {w2.dtype}"),
+        ("w13_scale", (w13_scale is None) == (w13.dtype != FP8_DTYPE) and (
+            w13_scale is None or (w13_scale.is_contiguous() and w13_scale.dtype
+            == torch.float32 and tuple(w13_scale.shape) == (experts, two_inter))),
+         scale_expected, None if w13_scale is None else tuple(w13_scale.shape)),
+        ("w2_scale", (w2_scale is None) == (w2.dtype != FP8_DTYPE) and (
+            w2_scale is None or (w2_scale.is_contiguous() and w2_scale.dtype
+            == torch.float32 and tuple(w2_scale.shape) == (experts, hidden))),
+         scale_expected, None if w2_scale is None else tuple(w2_scale.shape)),
+        ("topk_ids", topk_ids.dim() == 2 and topk_ids.shape[0] == tokens
+         and topk_ids.stride(1) == 1 and topk_ids.dtype in (torch.int32, torch.int64),
+         f"[{tokens}, topk] int32/int64 with unit column stride",
+         f"{tuple(topk_ids.shape)} {topk_ids.dtype}"),
+        ("topk_weights", tuple(topk_weights.shape) == (tokens, topk)
+         and topk_weights.stride(1) == 1 and topk_weights.dtype == torch.float32,
+         f"[{tokens}, {topk}] float32", f"{tuple(topk_weights.shape)} "
+         f"{topk_weights.dtype}"),
+        ("expert_map", expert_map is None or (expert_map.dim() == 1
+         and expert_map.is_contiguous() and expert_map.dtype == torch.int32),
+         "None or a contiguous int32 [global experts] map", expert_map),
+        ("activation", activation in ACTIVATIONS, f"one of {ACTIVATIONS}",
+         activation),
+        ("act", act.shape[0] >= tokens * topk and act.shape[1] == inter
+         and act.stride(1) == 1 and act.dtype == x.dtype,
+         f"[>= {tokens * topk}, {inter}] {x.dtype} with unit column stride",
+         f"{tuple(act.shape)} {act.dtype}"),
+        ("out", tuple(out.shape) == (tokens, hidden) and out.stride(1) == 1
+         and out.dtype == x.dtype, f"[{tokens}, {hidden}] {x.dtype}",
+         f"{tuple(out.shape)} {out.dtype}"),
+    ):  # fmt: skip
+        if not ok:
+            raise ValueError(f"{name}: expected {expected}, got {got}")
+    devices = {t.device for t in (x, topk_ids, topk_weights, w13, w2, act, out)}
+    devices |= {t.device for t in (w13_scale, w2_scale, expert_map) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(
+            f"tensors: expected one device, got {sorted(map(str, devices))}"
+        )
+
+
+def moe_decode(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
+    w13 [E, 2I, K] (gate and up rows interleaved) and w2 [E, K, I]; ``act``
+    [>= T * topk, I] is the scratch between the two GEMMs. Returns ``out``."""
+    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+           activation, act, out)  # fmt: skip
+    config = config or DecodeConfig()
+    tokens, hidden = x.shape
+    topk, inter, num_ids = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
+    if expert_map is not None:
+        num_ids = expert_map.numel()
+    if tokens == 0:
+        return out
+    map_arg = expert_map if expert_map is not None else topk_ids
+    _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
+        x, topk_ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
+        act, hidden, inter, topk, num_ids, x.stride(0), topk_ids.stride(0),
+        act.stride(0), HAS_MAP=expert_map is not None,
+        HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
+        BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+    _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
+        act, topk_ids, map_arg, topk_weights, w2,
+        w2_scale if w2_scale is not None else w2, out, inter, hidden, topk,
+        num_ids, act.stride(0), topk_ids.stride(0), topk_weights.stride(0),
+        out.stride(0), HAS_MAP=expert_map is not None,
+        HAS_SCALE=w2_scale is not None, BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, num_warps=config.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def moe_decode_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`moe_decode` in plain PyTorch (fp32 math; ``act`` untouched)."""
+    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+           activation, act, out)  # fmt: skip
+    gate_up = w13.float() if w13_scale is None else w13.float() * w13_scale[..., None]
+    gate_up = deinterleave_gate_up(gate_up)
+    down = w2.float() if w2_scale is None else w2.float() * w2_scale[..., None]
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < (len(w13) if expert_map is None else len(expert_map)))
+    if expert_map is not None:
+        ids = torch.where(
+            valid, expert_map.long()[ids.clamp(0, len(expert_map) - 1)], -1
+        )
+        valid = ids >= 0
+    result = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for t, k in valid.nonzero().tolist():
+        e = int(ids[t, k])
+        h = gated_act_reference(activation, gate_up[e] @ x[t].float())
+        h = h.to(x.dtype).float()  # act is stored in the input dtype
+        result[t] += topk_weights[t, k] * (down[e] @ h)
+    return out.copy_(result)
