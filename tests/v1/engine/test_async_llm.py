@@ -12,6 +12,7 @@ from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.outputs import CompletionOutput
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.worker.workspace import reset_workspace_manager
 
@@ -34,7 +35,8 @@ def serve(llm: LLM, body: Callable[[AsyncLLM], Awaitable[T]]) -> T:
     (the blocking ``LLM`` must not step while the loop runs)."""
 
     async def run() -> T:
-        engine = AsyncLLM(llm.engine, llm.tokenizer, PrometheusStatLogger("tiny"))
+        client = InprocClient(llm.engine)
+        engine = AsyncLLM(client, llm.tokenizer, PrometheusStatLogger("tiny"))
         engine.start()
         try:
             return await body(engine)
@@ -149,7 +151,7 @@ def test_a_failing_step_fails_every_stream(llm, monkeypatch):
         raise RuntimeError("device lost")
 
     async def body(engine: AsyncLLM) -> None:
-        monkeypatch.setattr(engine.engine, "step", broken)
+        monkeypatch.setattr(llm.engine, "step", broken)
         stream = await engine.add_requests([[1, 2]], [SamplingParams(max_tokens=3)])
         with pytest.raises(EngineDeadError, match="device lost"):
             await anext(stream)

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import ALL2ALL_BACKEN
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.engine.dp_engine import DPEngineCore, DPEngineDeadError
 from vllm.v1.request import Request
 from vllm.v1.worker.workspace import reset_workspace_manager
@@ -84,7 +85,7 @@ class TestLockstep:
 
     def test_async_llm_runs_over_it_unchanged(self, dp_llm, reference):
         async def run() -> list[list[int]]:
-            engine = AsyncLLM(dp_llm.engine, None)
+            engine = AsyncLLM(InprocClient(dp_llm.engine), None)
             engine.start()
             try:
                 stream = await engine.add_requests(PROMPTS, PARAMS)

@@ -219,13 +219,13 @@ def build_app(
 def build_async_engine(
     args: argparse.Namespace, stat_logger: PrometheusStatLogger
 ) -> AsyncLLM:
-    """The engine and tokenizer of ``vllm serve``'s arguments (no tokenizer
-    for a checkpoint directory without tokenizer files: token ids only); a
-    data-parallel engine for ``--data-parallel-size`` > 1 (its workers stop
-    when the server process exits)."""
+    """The engine, in a process of its own, and the tokenizer of ``vllm
+    serve``'s arguments (no tokenizer for a checkpoint directory without
+    tokenizer files: token ids only); a data-parallel engine for
+    ``--data-parallel-size`` > 1 (its workers stop with the engine)."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
-    from vllm.v1.engine.core import EngineConfig, EngineCore
-    from vllm.v1.engine.dp_engine import DPEngineCore
+    from vllm.v1.engine.core import EngineConfig
+    from vllm.v1.engine.core_client import MPClient
 
     tokenizer = get_tokenizer(args.model)
     if tokenizer is None:
@@ -249,8 +249,7 @@ def build_async_engine(
         enable_expert_parallel=args.enable_expert_parallel,
         all2all_backend=args.all2all_backend,
     )
-    engine_cls = DPEngineCore if config.data_parallel_size > 1 else EngineCore
-    return AsyncLLM(engine_cls(config), tokenizer, stat_logger)
+    return AsyncLLM(MPClient(config), tokenizer, stat_logger)
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> Any:

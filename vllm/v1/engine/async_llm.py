@@ -1,12 +1,13 @@
-"""The async engine front: one engine step loop serving every caller.
+"""The async engine front: asyncio callers over one engine loop.
 
-``AsyncLLM`` owns an :class:`~vllm.v1.engine.core.EngineCore` and drives it
-from ONE background thread, the engine loop: ``EngineCore`` is synchronous
-and not thread-safe and a step is blocking compute, so it never runs on the
-event loop and nothing else touches the engine. Callers on the asyncio loop
-reach the engine loop through an ordered inbox (add and abort commands); it
-answers through one asyncio queue per group of requests, fed with a single
-``call_soon_threadsafe`` per step.
+``AsyncLLM`` reaches its engine through an
+:class:`~vllm.v1.engine.core_client.EngineCoreClient`: ``vllm serve``'s runs
+in a process of its own (:class:`~vllm.v1.engine.core_client.MPClient`),
+tests may keep it on a thread (``InprocClient``). Either way the engine is
+synchronous and steps alone; callers send it commands in order (add a
+group, abort) and its events come back on one client thread, where this
+front tracks the requests, detokenizes, applies stop strings and feeds one
+asyncio queue per group with a single ``call_soon_threadsafe`` per step.
 
 Contract:
 
@@ -21,12 +22,14 @@ Contract:
   member's last delta has ``finished=True`` and its finish reason, so the
   deltas concatenate to exactly what a blocking generation returns.
 - ``stream.abort()`` (the client went away), or dropping a stream whose
-  requests are unfinished, aborts them: the engine loop frees their KV
-  blocks right after the step in flight, the first moment the engine may be
-  touched.
+  requests are unfinished, aborts them: the engine frees their KV blocks
+  before its next step. A stop string found in the text finishes the
+  request here at once and aborts it in the engine (tokens it made in the
+  meantime are dropped).
 - ``await shutdown()`` refuses new requests, lets those in flight finish and
-  stops the loop. An exception in a step fails every request in flight and
-  marks the engine dead (``dead``); adds then raise :class:`EngineDeadError`.
+  stops the engine. A step that raises (or an engine process that dies)
+  fails every request in flight and marks the engine dead (``dead``); adds
+  then raise :class:`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -37,13 +40,23 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core_client import (
+    AbortRequests,
+    Added,
+    AddRequests,
+    Dead,
+    EngineCoreClient,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    Event,
+    Shutdown,
+)
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.request import Request
@@ -58,7 +71,9 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _Add:
+class _Group:
+    """An add the engine has not answered yet."""
+
     requests: list[Request]
     queue: asyncio.Queue[StreamItem]
     admitted: asyncio.Future[None]
@@ -66,31 +81,15 @@ class _Add:
 
 
 @dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
 class _Tracked:
-    """One engine request as the engine loop follows it."""
+    """One engine request as this front follows it (client thread only)."""
 
-    request: Request
+    request: Request  # as sent: prompt and sampling parameters
     index: int  # in its group
     queue: asyncio.Queue[StreamItem]
     detokenizer: IncrementalDetokenizer | None
     arrival: float
-    num_sent: int = 0  # output tokens delivered so far
     last_token_time: float | None = None
-
-
-@dataclass
-class _Inbox:
-    """Commands for the engine loop, in the order they were given, and its
-    state; guarded by ``AsyncLLM._cond``."""
-
-    commands: list[_Add | _Abort] = field(default_factory=list)
-    closing: bool = False
-    dead: BaseException | None = None
 
 
 class RequestStream:
@@ -138,29 +137,29 @@ class RequestStream:
 class AsyncLLM:
     def __init__(
         self,
-        engine: EngineCore,
+        client: EngineCoreClient,
         tokenizer: Any,
         stat_logger: PrometheusStatLogger | None = None,
     ) -> None:
-        self.engine = engine
+        self.client = client
         self.tokenizer = tokenizer
         self.stat_logger = stat_logger
-        self._inbox = _Inbox()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the three below
+        self._groups: dict[int, _Group] = {}
+        self._closing = False
+        self._dead: EngineDeadError | None = None
+        self._group_ids = itertools.count()
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(
-            target=self._run, name="vllm-engine-loop", daemon=True
-        )
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.client.max_model_len
 
     @property
     def dead(self) -> bool:
-        return self._inbox.dead is not None
+        return self._dead is not None
 
     # -- the asyncio side ----------------------------------------------------
 
@@ -168,15 +167,15 @@ class AsyncLLM:
         """Start the engine loop; call from the event loop that will read
         the streams."""
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
+        self.client.start(self._on_event)
 
     async def shutdown(self) -> None:
-        """Refuse new requests, finish those in flight, stop the loop."""
-        with self._cond:
-            self._inbox.closing = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join)
+        """Refuse new requests, finish those in flight, stop the engine."""
+        with self._lock:
+            closing, self._closing = self._closing, True
+        if not closing:
+            self.client.send(Shutdown())
+        await asyncio.to_thread(self.client.join)
 
     async def add_requests(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
@@ -191,70 +190,43 @@ class AsyncLLM:
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         admitted = self._loop.create_future()
         ids = [r.request_id for r in requests]
-        with self._cond:
-            if self._inbox.dead is not None:
-                raise EngineDeadError(str(self._inbox.dead))
-            if self._inbox.closing:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            if self._closing:
                 raise EngineDeadError("the server is shutting down")
-            arrival = time.monotonic()
-            self._inbox.commands.append(_Add(requests, queue, admitted, arrival))
-            self._cond.notify()
+            group_id = next(self._group_ids)
+            self._groups[group_id] = _Group(requests, queue, admitted, time.monotonic())
+            self.client.send(AddRequests(group_id, requests))
         try:
             await admitted
         except asyncio.CancelledError:
-            self._abort(ids)  # queued after the add: undoes it
+            self._abort(ids)  # sent after the add: undoes it
             raise
         return RequestStream(self, ids, queue)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], reason: str = "abort") -> None:
         """Thread-safe: abort these requests (unknown or finished ones are
         ignored)."""
-        with self._cond:
-            self._inbox.commands.append(_Abort(request_ids))
-            self._cond.notify()
+        if not self.dead:
+            self.client.send(AbortRequests(request_ids, reason))
 
-    # -- the engine loop -----------------------------------------------------
+    # -- the client thread -----------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while (commands := self._next_commands()) is not None:
-                for command in commands:
-                    if isinstance(command, _Add):
-                        self._admit(command)
-                    else:
-                        self._apply_abort(command)
-                if self.engine.has_unfinished_requests():
-                    self.engine.step()
-                    self._publish()
-                self._record_scheduler()
-        except Exception as e:
-            logger.exception("engine loop failed; failing every request")
-            self._fail_all(e)
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, Added):
+            self._on_added(event)
+        elif isinstance(event, EngineCoreOutputs):
+            self._publish(event.outputs)
+            self._record_scheduler(event)
+        else:
+            self._fail_all(event)
 
-    def _next_commands(self) -> list[_Add | _Abort] | None:
-        """Wait for work; None once closing and nothing is left."""
-        with self._cond:
-            inbox = self._inbox
-            while not inbox.commands and not self.engine.has_unfinished_requests():
-                if inbox.closing:
-                    return None
-                self._cond.wait()
-            commands, inbox.commands = inbox.commands, []
-            return commands
-
-    def _admit(self, add: _Add) -> None:
-        added: list[Request] = []
-        error: Exception | None = None
-        try:
-            for request in add.requests:
-                self.engine.add_request(request)
-                added.append(request)
-        except Exception as e:  # ValueError: a bad request; others: reported too
-            error = e
-            for request in added:
-                self.engine.finish_request(request.request_id, "abort")
-        if error is None:
-            for index, request in enumerate(add.requests):
+    def _on_added(self, added: Added) -> None:
+        with self._lock:
+            group = self._groups.pop(added.group_id)
+        if added.error is None:
+            for index, request in enumerate(group.requests):
                 stop = request.sampling_params.stop_strings
                 detokenizer = (
                     None
@@ -262,71 +234,54 @@ class AsyncLLM:
                     else IncrementalDetokenizer(self.tokenizer, stop)
                 )
                 self._tracked[request.request_id] = _Tracked(
-                    request, index, add.queue, detokenizer, add.arrival
+                    request, index, group.queue, detokenizer, group.arrival
                 )
-        self._call_soon(_resolve, add.admitted, error)
+        self._call_soon(_resolve, group.admitted, added.error)
 
-    def _apply_abort(self, abort: _Abort) -> None:
-        now = time.monotonic()
-        for request_id in abort.request_ids:
-            tracked = self._tracked.pop(request_id, None)
-            if tracked is None:
-                continue  # finished already, or never admitted
-            self.engine.finish_request(request_id, "abort")  # frees its blocks
-            if self.stat_logger is not None:
-                self.stat_logger.record_finished(now - tracked.arrival, "abort")
-
-    def _publish(self) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         """Hand every request's new tokens and text to its stream."""
         now = time.monotonic()
         deliveries: list[tuple[asyncio.Queue[StreamItem], StreamItem]] = []
-        for request_id, tracked in list(self._tracked.items()):
-            request = tracked.request
-            new = request.output_token_ids[tracked.num_sent :]
-            if not new and request.finish_reason is None:
-                continue  # still in prefill, or preempted
-            text = self._detokenize(tracked, new)
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue  # finished here already (a stop string)
+            new, finish_reason = output.new_token_ids, output.finish_reason
+            text = None
+            if tracked.detokenizer is not None:
+                text = tracked.detokenizer.update(new)
+                if tracked.detokenizer.stopped:
+                    finish_reason = "stop"
+                    self._abort([output.request_id], "stop")
+                elif finish_reason is not None:
+                    text += tracked.detokenizer.flush()
             self._record_tokens(tracked, len(new), now)
-            tracked.num_sent += len(new)
-            finished = request.finish_reason is not None
             logprobs = None
-            if request.sampling_params.logprobs is not None:
-                start = tracked.num_sent - len(new)
+            if output.new_logprobs is not None:
+                assert output.new_top_logprobs is not None
                 logprobs = [
                     {token: lp, **top}
                     for token, lp, top in zip(
-                        new,
-                        request.output_logprobs[start:],
-                        request.top_logprobs[start:],
-                        strict=True,
+                        new, output.new_logprobs, output.new_top_logprobs, strict=True
                     )
                 ]
-            output = CompletionOutput(text, new, request.finish_reason, logprobs)
+            request = tracked.request
+            finished = finish_reason is not None
             delta = RequestOutput(
-                request_id, None, request.prompt_token_ids, [output], finished
+                output.request_id,
+                None,
+                request.prompt_token_ids,
+                [CompletionOutput(text, new, finish_reason, logprobs)],
+                finished,
             )
             deliveries.append((tracked.queue, (tracked.index, delta)))
             if finished:
-                del self._tracked[request_id]
+                del self._tracked[output.request_id]
                 if self.stat_logger is not None:
-                    reason = request.finish_reason or "abort"
-                    self.stat_logger.record_finished(now - tracked.arrival, reason)
+                    latency = now - tracked.arrival
+                    self.stat_logger.record_finished(latency, finish_reason or "abort")
         if deliveries:
             self._call_soon(_deliver, deliveries)
-
-    def _detokenize(self, tracked: _Tracked, new: list[int]) -> str | None:
-        """The new text; finishes the request when a stop string appears
-        (also when the token that completed it was its last)."""
-        detokenizer, request = tracked.detokenizer, tracked.request
-        if detokenizer is None:
-            return None
-        text = detokenizer.update(new)
-        if detokenizer.stopped:
-            self.engine.finish_request(request.request_id, "stop")
-            request.finish_reason = "stop"
-        elif request.finish_reason is not None:
-            text += detokenizer.flush()
-        return text
 
     def _record_tokens(self, tracked: _Tracked, num_new: int, now: float) -> None:
         if self.stat_logger is None or num_new == 0:
@@ -341,26 +296,24 @@ class AsyncLLM:
             self.stat_logger.record_next_tokens(num_new, latency)
         tracked.last_token_time = now
 
-    def _record_scheduler(self) -> None:
-        if self.stat_logger is None:
-            return
-        stats = self.engine.stats()
-        self.stat_logger.record_scheduler(
-            stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
-        )
+    def _record_scheduler(self, outputs: EngineCoreOutputs) -> None:
+        if self.stat_logger is not None:
+            stats = outputs.stats
+            self.stat_logger.record_scheduler(
+                stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
+            )
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, dead: Dead) -> None:
         """Every request in flight and every pending add gets the error."""
-        dead = EngineDeadError(f"engine loop failed: {error!r}")
-        with self._cond:
-            self._inbox.dead = dead
-            pending, self._inbox.commands = self._inbox.commands, []
+        error = EngineDeadError(f"engine loop failed: {dead.error}")
+        with self._lock:
+            self._dead = error
+            pending, self._groups = self._groups, {}
         queues = {id(t.queue): t.queue for t in self._tracked.values()}
         self._tracked.clear()
-        self._call_soon(_deliver, [(q, dead) for q in queues.values()])
-        for command in pending:
-            if isinstance(command, _Add):
-                self._call_soon(_resolve, command.admitted, dead)
+        self._call_soon(_deliver, [(q, error) for q in queues.values()])
+        for group in pending.values():
+            self._call_soon(_resolve, group.admitted, error)
 
     def _call_soon(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -370,7 +323,7 @@ class AsyncLLM:
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.cancelled():
-        return  # the caller gave up; its abort follows the add in the inbox
+        return  # the caller gave up; its abort follows the add
     if error is None:
         future.set_result(None)
     else:

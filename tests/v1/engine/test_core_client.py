@@ -1,0 +1,106 @@
+"""The engine in a process of its own (``MPClient``) behind ``AsyncLLM``:
+the same tokens as the in-process engine, startup errors, a dead engine
+process, and an engine that outlives neither its server nor a Ctrl-C to the
+process group. Tiny checkpoint, fp32, CPU."""
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.v1.engine.core import EngineConfig
+from vllm.v1.engine.core_client import MPClient
+from vllm.v1.worker.workspace import reset_workspace_manager
+
+MAX_MODEL_LEN = 96
+PROMPTS = [[1, 2, 3], [7] * 20, [5, 9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe_mp")
+    build_tiny_checkpoint(path)
+    return path
+
+
+def config(checkpoint: Path, **kw) -> EngineConfig:
+    return EngineConfig(
+        checkpoint, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, **kw
+    )
+
+
+async def generate(engine: AsyncLLM, prompts, params) -> list[tuple[list, list]]:
+    stream = await engine.add_requests(prompts, [params] * len(prompts))
+    out: list[tuple[list, list]] = [([], []) for _ in prompts]
+    async for index, delta in stream:
+        out[index][0].extend(delta.outputs[0].token_ids)
+        out[index][1].extend(delta.outputs[0].logprobs or [])
+    return out
+
+
+def test_tokens_equal_the_in_process_engine(checkpoint):
+    reset_workspace_manager()
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)
+    want = [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        for o in llm.generate(PROMPTS, GREEDY)
+    ]
+    del llm
+    reset_workspace_manager()
+
+    async def run() -> list[tuple[list, list]]:
+        engine = AsyncLLM(MPClient(config(checkpoint)), None)
+        engine.start()
+        try:
+            assert engine.max_model_len == MAX_MODEL_LEN
+            got = await generate(engine, PROMPTS, GREEDY)
+            with pytest.raises(ValueError, match="prompt: 96 tokens"):
+                await generate(engine, [[1] * MAX_MODEL_LEN], GREEDY)
+            return got
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == [tuple(w) for w in want]
+
+
+def test_a_startup_error_names_its_cause(tmp_path):
+    with pytest.raises(RuntimeError, match=r"the engine failed to start: .*config"):
+        MPClient(config(tmp_path))  # no config.json
+
+
+def test_a_killed_engine_fails_the_streams_and_ignores_ctrl_c(checkpoint):
+    async def run() -> None:
+        client = MPClient(config(checkpoint))
+        engine = AsyncLLM(client, None)
+        engine.start()
+        long = SamplingParams(max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)
+        stream = await engine.add_requests([[1, 2, 3]], [long])
+        await anext(stream)
+        assert client.process.pid is not None
+        os.kill(client.process.pid, signal.SIGINT)  # a Ctrl-C to the group
+        await asyncio.sleep(0.5)
+        assert client.process.exitcode is None
+        await anext(stream)  # still serving
+        client.process.kill()
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            async for _ in stream:
+                pass
+        assert engine.dead
+        with pytest.raises(EngineDeadError):
+            await engine.add_requests([[1]], [long])
+        await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=120))
+
+
+def test_the_engine_stops_when_its_server_goes(checkpoint):
+    client = MPClient(config(checkpoint))
+    client._conn.close()  # as a dead server's end of the pipe
+    client.process.join(timeout=60)
+    assert client.process.exitcode == 0
