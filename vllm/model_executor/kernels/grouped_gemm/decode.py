@@ -79,6 +79,8 @@ def _decode_gated_kernel(
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     MODE: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -104,7 +106,7 @@ def _decode_gated_kernel(
             scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
             product *= tl.load(scale_ptrs, mask=row_ok, other=0.0)
         gate, up = tl.split(tl.reshape(product, (BLOCK_N, 2)))
-        act = gated_act(gate, up, MODE, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        act = gated_act(gate, up, MODE, ALPHA, LIMIT)
         cols_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(
             act_ptr + route * stride_act + cols_out,
@@ -284,6 +286,7 @@ def moe_decode(
         act, hidden, inter, topk, num_ids, x.stride(0), topk_ids.stride(0),
         act.stride(0), HAS_MAP=expert_map is not None,
         HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
+        ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
         num_warps=config.num_warps,
     )  # fmt: skip
