@@ -130,7 +130,7 @@ def sweep_tiles(
     scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
     steps = {}
     for gn, gk, dn, dk, warps in itertools.product(
-        (8, 16, 32), (128, 256, 512), (8, 16, 32), (128, 256), (4,)
+        (8, 16, 32), (128, 256, 512), (4, 8, 16), (64, 128, 256), (4,)
     ):
         config = DecodeConfig(gn, gk, dn, dk, warps)
 

@@ -9,9 +9,9 @@ the unpermute there, and its 64/128-row tiles leave most SMs idle. Here:
   gate/up pairs of w13's interleaved rows) writes ``act(x[t] @ w13[e]^T)``
   into row ``t * topk + k`` of ``act`` [T * topk, I].
 - GEMM2 and the unpermute (:func:`_decode_down_kernel`): one program per
-  (token, BLOCK_N output columns) sums ``topk_weights[t, k] * act[t*topk+k]
-  @ w2[e]^T`` over the token's routes in order (deterministic, no atomics)
-  and writes the output row.
+  (token, BLOCK_N output columns) loads the token's routes' weight tiles
+  together and sums ``topk_weights[t, k] * act[t*topk+k] @ w2[e]^T`` over
+  them (deterministic, no atomics), writing the output row.
 
 Each program streams its weight rows in 16-byte loads along K; with a few
 hundred programs the GPU keeps enough loads in flight to run at the memory
@@ -51,9 +51,9 @@ DECODE_MAX_TOKENS = 8
 
 
 @triton.jit
-def _local_expert(ids_ptr, map_ptr, route_offset, num_experts, HAS_MAP: tl.constexpr):
-    """The route's local expert, or -1 (invalid id, or not local)."""
-    expert = tl.load(ids_ptr + route_offset).to(tl.int32)
+def _local_expert(ids_ptr, map_ptr, offsets, num_experts, HAS_MAP: tl.constexpr):
+    """The routes' local experts, or -1 (invalid id, or not local)."""
+    expert = tl.load(ids_ptr + offsets).to(tl.int32)
     valid = (expert >= 0) & (expert < num_experts)
     if HAS_MAP:
         expert = tl.load(map_ptr + expert, mask=valid, other=-1).to(tl.int32)
@@ -134,37 +134,54 @@ def _decode_down_kernel(
     stride_out,
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # All of the token's routes at once: each K step loads BLOCK_R weight
+    # tiles together (one round trip, not one per route).
     token = tl.program_id(0)
+    k_routes = tl.arange(0, BLOCK_R)
+    last = tl.minimum(k_routes, topk - 1)  # lanes past topk re-read the last id
+    experts = _local_expert(
+        ids_ptr, map_ptr, token * stride_ids + last, num_experts, HAS_MAP
+    )
+    valid = (experts >= 0) & (k_routes < topk)
+    routes = token * topk + k_routes
+    weights = tl.load(
+        topk_weights_ptr + token * stride_weights + k_routes, mask=valid, other=0.0
+    )
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k_route in range(topk):
-        expert = _local_expert(
-            ids_ptr, map_ptr, token * stride_ids + k_route, num_experts, HAS_MAP
+    w_rows = (
+        w_ptr
+        + tl.where(valid, experts, 0).to(tl.int64)[:, None, None] * hidden * inter
+        + rows[None, :, None] * inter
+    )
+    tile_ok = valid[:, None, None] & row_ok[None, :, None]
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        col_ok = cols < inter
+        a = tl.load(
+            act_ptr + routes[:, None] * stride_act + cols[None, :],
+            mask=valid[:, None] & col_ok[None, :],
+            other=0.0,
         )
-        if expert >= 0:
-            route = token * topk + k_route
-            w_rows = (
-                w_ptr + expert.to(tl.int64) * hidden * inter + rows[:, None] * inter
-            )
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k in range(0, inter, BLOCK_K):
-                cols = k + tl.arange(0, BLOCK_K)
-                a = tl.load(
-                    act_ptr + route * stride_act + cols, mask=cols < inter, other=0.0
-                )
-                mask = row_ok[:, None] & (cols < inter)[None, :]
-                w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
-                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            product = tl.sum(acc, axis=1)
-            if HAS_SCALE:
-                scale_ptrs = w_scale_ptr + expert.to(tl.int64) * hidden + rows
-                product *= tl.load(scale_ptrs, mask=row_ok, other=0.0)
-            weight = tl.load(topk_weights_ptr + token * stride_weights + k_route)
-            out += weight * product
+        w = tl.load(
+            w_rows + cols[None, None, :],
+            mask=tile_ok & col_ok[None, None, :],
+            other=0.0,
+        )
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+    if HAS_SCALE:
+        scale_ptrs = (
+            w_scale_ptr
+            + tl.where(valid, experts, 0).to(tl.int64)[:, None] * hidden
+            + rows[None, :]
+        )
+        acc *= tl.load(scale_ptrs, mask=valid[:, None] & row_ok[None, :], other=0.0)
+    out = tl.sum(acc * weights[:, None], axis=0)
     tl.store(
         out_ptr + token * stride_out + rows,
         out.to(out_ptr.dtype.element_ty),
@@ -178,8 +195,8 @@ class DecodeConfig:
 
     gated_block_n: int = 16
     gated_block_k: int = 256
-    down_block_n: int = 16
-    down_block_k: int = 256
+    down_block_n: int = 8
+    down_block_k: int = 128
     num_warps: int = 4
 
 
@@ -295,7 +312,8 @@ def moe_decode(
         w2_scale if w2_scale is not None else w2, out, inter, hidden, topk,
         num_ids, act.stride(0), topk_ids.stride(0), topk_weights.stride(0),
         out.stride(0), HAS_MAP=expert_map is not None,
-        HAS_SCALE=w2_scale is not None, BLOCK_N=config.down_block_n,
+        HAS_SCALE=w2_scale is not None, BLOCK_R=triton.next_power_of_2(topk),
+        BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, num_warps=config.num_warps,
     )  # fmt: skip
     return out
