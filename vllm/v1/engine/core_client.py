@@ -4,11 +4,9 @@ thread of the caller's process, or in a process of its own.
 Why a process: the engine's step loop is Python between the GPU's work
 (scheduling, the batch's inputs, the sampled tokens) and so is a server's
 per-token work (one server-sent event per request per step). In one
-interpreter they share the GIL, and a loaded server's steps wait on its own
-HTTP writes: on the H200 at 256 concurrent streams ``vllm serve`` reached
-0.60x the offline throughput with the engine on a thread. In its own
-process (vLLM v1's ``EngineCoreProc``) the engine has its own interpreter
-and core.
+interpreter they share the GIL, so a loaded server's event writes would
+delay its own steps. In a process of its own (vLLM v1's
+``EngineCoreProc``) the engine has its own interpreter and core.
 
 Both clients run the same loop (:func:`serve_engine`) over the same engine
 side (:class:`EngineCoreLoop`): commands in order (add a group of

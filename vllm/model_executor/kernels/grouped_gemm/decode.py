@@ -193,11 +193,20 @@ def _decode_down_kernel(
 class DecodeConfig:
     """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs)."""
 
-    gated_block_n: int = 16
-    gated_block_k: int = 256
-    down_block_n: int = 8
-    down_block_k: int = 128
+    gated_block_n: int
+    gated_block_k: int
+    down_block_n: int
+    down_block_k: int
     num_warps: int = 4
+
+
+def default_decode_config(tokens: int) -> DecodeConfig:
+    """The fastest checked on the H200 (benchmark_moe_decode --sweep, bf16
+    and fp8 weights): one token splits GEMM1 finest (more programs) and
+    streams GEMM2 in long rows; more tokens have programs enough."""
+    if tokens == 1:
+        return DecodeConfig(8, 256, 8, 256)
+    return DecodeConfig(16, 256, 8, 128)
 
 
 def _check(
@@ -290,8 +299,8 @@ def moe_decode(
     [>= T * topk, I] is the scratch between the two GEMMs. Returns ``out``."""
     _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
            activation, act, out)  # fmt: skip
-    config = config or DecodeConfig()
     tokens, hidden = x.shape
+    config = config or default_decode_config(tokens)
     topk, inter, num_ids = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
     if expert_map is not None:
         num_ids = expert_map.numel()
