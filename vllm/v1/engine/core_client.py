@@ -29,9 +29,10 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from vllm.logger import init_logger
@@ -173,14 +174,47 @@ class Inbox:
                 return commands
 
 
+@dataclass
+class LoopTimes:
+    """Where the engine loop's time went since the last report: steps, the
+    events out (building and sending: a frontend that falls behind shows
+    here, its pipe full), and waiting for commands."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    emit_s: float = 0.0
+    wait_s: float = 0.0
+    since: float = field(default_factory=time.monotonic)
+
+    def report_due(self, now: float) -> bool:
+        return now - self.since >= LOG_INTERVAL_S
+
+    def log(self, stats: SchedulerStats, now: float) -> None:
+        per_step = 1e3 / max(self.steps, 1)
+        logger.info(
+            "engine loop: %d steps in %.1f s (step %.1f ms, events out %.1f ms, "
+            "waiting %.1f s); %d running, %d waiting, KV cache %.0f%% used",
+            self.steps, now - self.since, self.step_s * per_step,
+            self.emit_s * per_step, self.wait_s, stats.num_running_reqs,
+            stats.num_waiting_reqs, 100 * stats.kv_cache_usage,
+        )  # fmt: skip
+
+
+LOG_INTERVAL_S = 10.0
+
+
 def serve_engine(
     core: EngineCoreLoop, inbox: Inbox, emit: Callable[[Event], None]
 ) -> None:
     """The engine loop, until a ``Shutdown`` with nothing left to finish (or
-    without draining); a step that raises emits :class:`Dead` and ends it."""
+    without draining); a step that raises emits :class:`Dead` and ends it.
+    While busy it logs :class:`LoopTimes` every ``LOG_INTERVAL_S``."""
     closing = False
+    times = LoopTimes()
     while not (closing and not core.has_work()):
+        start = time.monotonic()
         commands = inbox.take(block=not core.has_work())
+        times.wait_s += time.monotonic() - start
         for command in commands:
             if isinstance(command, AddRequests):
                 emit(Added(command.group_id, core.add(command.requests)))
@@ -190,14 +224,25 @@ def serve_engine(
                 closing = True
                 if not command.drain:
                     core.abort_all()
+        start = time.monotonic()
         try:
             if core.has_work():
                 core.engine.step()
+                times.steps += 1
         except Exception as e:
             logger.exception("engine step failed")
             emit(Dead(repr(e)))
             return
-        emit(core.outputs())
+        stepped = time.monotonic()
+        outputs = core.outputs()
+        emit(outputs)
+        now = time.monotonic()
+        times.step_s += stepped - start
+        times.emit_s += now - stepped
+        if times.report_due(now):
+            if times.steps:
+                times.log(outputs.stats, now)
+            times = LoopTimes(since=now)
 
 
 # -- the clients ------------------------------------------------------------------
