@@ -163,3 +163,22 @@ def test_a_failing_step_fails_every_stream(llm, monkeypatch):
 
     serve(llm, body)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_consumer_that_falls_behind_gets_the_deltas_in_one_batch(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (want,) = llm.generate(["def load(fp):"], greedy)
+
+    async def body(engine: AsyncLLM) -> None:
+        stream = await engine.add_requests([ids(llm, "def load(fp):")], [greedy])
+        while llm.engine.has_unfinished_requests():  # read nothing meanwhile
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last step's deltas reach the queue
+        batches = [batch async for batch in stream.batches()]
+        assert len(batches) == 1 and len(batches[0]) > 1
+        outputs = [delta.outputs[0] for _, delta in batches[0]]
+        assert [t for o in outputs for t in o.token_ids] == want.outputs[0].token_ids
+        assert "".join(o.text or "" for o in outputs) == want.outputs[0].text
+        assert [o.finish_reason for o in outputs][-1] == "length"
+
+    serve(llm, body)

@@ -125,22 +125,25 @@ class OpenAIServingChat(OpenAIServing):
             role = DeltaMessage(role="assistant", content="")
             yield event(ChatCompletionResponseStreamChoice(index=index, delta=role))
         num_tokens = 0
-        async for index, delta in stream:
-            out = delta.outputs[0]
-            num_tokens += len(out.token_ids)
-            logprobs = None
-            if top is not None and out.logprobs:
-                logprobs = self._logprobs(out.token_ids, out.logprobs, top)
-            if out.text == "" and logprobs is None and not delta.finished:
-                continue  # held back (with no tokenizer text is None: always sent)
-            yield event(
-                ChatCompletionResponseStreamChoice(
+        async for batch in stream.batches():
+            events = []
+            for index, delta in batch:
+                out = delta.outputs[0]
+                num_tokens += len(out.token_ids)
+                logprobs = None
+                if top is not None and out.logprobs:
+                    logprobs = self._logprobs(out.token_ids, out.logprobs, top)
+                if out.text == "" and logprobs is None and not delta.finished:
+                    continue  # held back (with no tokenizer text is None: always sent)
+                choice = ChatCompletionResponseStreamChoice(
                     index=index,
                     delta=DeltaMessage(content=out.text or ""),
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                 )
-            )
+                events.append(event(choice))
+            if events:
+                yield "".join(events)  # one write for the batch
         if options.include_usage:
             yield sse(
                 response.model_copy(update={"usage": usage([prompt], num_tokens)})

@@ -115,22 +115,26 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         num_tokens = 0
         offsets: dict[int, int] = {}
-        async for index, delta in stream:
-            out = delta.outputs[0]
-            num_tokens += len(out.token_ids)
-            choice_logprobs = None
-            if logprobs is not None and out.logprobs:
-                start = offsets.get(index, 0)
-                choice_logprobs = self._logprobs(out.token_ids, out.logprobs, start)
-                offsets[index] = start + sum(len(t) for t in choice_logprobs.tokens)
-            if out.text == "" and choice_logprobs is None and not delta.finished:
-                continue  # held back (with no tokenizer text is None: always sent)
-            choice = CompletionResponseChoice(
-                index=index,
-                text=out.text or "",
-                logprobs=choice_logprobs,
-                finish_reason=out.finish_reason,
-            )
-            yield sse(response.model_copy(update={"choices": [choice]}))
+        async for batch in stream.batches():
+            events = []
+            for index, delta in batch:
+                out = delta.outputs[0]
+                num_tokens += len(out.token_ids)
+                choice_logprobs = None
+                if logprobs is not None and out.logprobs:
+                    start = offsets.get(index, 0)
+                    choice_logprobs = self._logprobs(out.token_ids, out.logprobs, start)
+                    offsets[index] = start + sum(len(t) for t in choice_logprobs.tokens)
+                if out.text == "" and choice_logprobs is None and not delta.finished:
+                    continue  # held back (with no tokenizer text is None: always sent)
+                choice = CompletionResponseChoice(
+                    index=index,
+                    text=out.text or "",
+                    logprobs=choice_logprobs,
+                    finish_reason=out.finish_reason,
+                )
+                events.append(sse(response.model_copy(update={"choices": [choice]})))
+            if events:
+                yield "".join(events)  # one write for the batch
         if options.include_usage:
             yield sse(response.model_copy(update={"usage": usage(prompts, num_tokens)}))

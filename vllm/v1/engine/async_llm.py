@@ -39,7 +39,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +93,9 @@ class _Tracked:
 
 
 class RequestStream:
-    """A group's outputs: ``async for index, delta in stream``. Ends when
-    every member has finished; raises what killed the engine if it died."""
+    """A group's outputs: ``async for index, delta in stream`` (or
+    :meth:`batches`). Ends when every member has finished; raises what
+    killed the engine if it died."""
 
     def __init__(
         self,
@@ -116,7 +117,23 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, RequestOutput]:
         if not self._open:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        return self._take(await self._queue.get())
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """The deltas in batches: each one everything waiting when the last
+        was taken (at least one). A server that writes a batch at once
+        spends one write on however many steps it fell behind."""
+        while self._open:
+            batch = [self._take(await self._queue.get())]
+            while self._open and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, BaseException):
+                    self._queue.put_nowait(item)  # raised after this batch
+                    break
+                batch.append(self._take(item))
+            yield batch
+
+    def _take(self, item: StreamItem) -> tuple[int, RequestOutput]:
         if isinstance(item, BaseException):
             self._open.clear()
             self._finalizer.detach()
