@@ -102,7 +102,8 @@ def plot(summaries: list[dict], path: Path) -> None:
         rows, label = summary["rows"], summary["label"]
         c = [r["concurrency"] for r in rows]
         line = left.plot(c, [r["serving_output_tok_s"] for r in rows], "o-")[0]
-        left.plot(c, [r["offline_output_tok_s"] for r in rows], "s--")
+        offline = [r["offline_output_tok_s"] for r in rows]
+        left.plot(c, offline, "s--", color=line.get_color())
         line.set_label(f"{label}: serve (o) / offline (s)")
         line = right.plot(c, [r["serving_tpot_ms"] for r in rows], "o-")[0]
         line.set_label(f"{label}: serve (o) / engine batch 1 (s)")

@@ -114,17 +114,20 @@ def bench(
         label, tokens, distinct, bound_us, times["decode"], times["sorted"],
         launches["decode"], launches["sorted"],
     )  # fmt: skip
-    sweep = sweep_tiles(experts, hidden, ids[0]) if args.sweep and tokens <= 8 else {}
+    sweep = sweep_tiles(experts, hidden, ids) if args.sweep and tokens <= 8 else {}
     return row, sweep
 
 
 def sweep_tiles(
-    experts: TritonExperts | TritonExpertsFp8, hidden: torch.Tensor, ids: torch.Tensor
+    experts: TritonExperts | TritonExpertsFp8,
+    hidden: torch.Tensor,
+    ids: list[torch.Tensor],
 ) -> dict[str, float]:
-    """The decode kernels alone, per tile configuration."""
+    """The decode kernels alone, per tile configuration, each call on its
+    own routing (one routing for all would keep its experts in L2)."""
     moe = experts.moe
-    weights = torch.rand(ids.shape, device=hidden.device)
-    act = torch.empty(ids.numel(), moe.intermediate_size, device=hidden.device)
+    weights = torch.rand(ids[0].shape, device=hidden.device)
+    act = torch.empty(ids[0].numel(), moe.intermediate_size, device=hidden.device)
     act = act.to(hidden.dtype)
     out = torch.empty_like(hidden)
     scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
@@ -136,7 +139,7 @@ def sweep_tiles(
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(
-                hidden, ids, weights, experts.w13, scales[0], experts.w2, scales[1],
+                hidden, ids[it], weights, experts.w13, scales[0], experts.w2, scales[1],
                 None, moe.activation, act, out, config,
             )  # fmt: skip
 
