@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import httpx
 
@@ -80,7 +81,7 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
-    def __enter__(self) -> ServeProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
