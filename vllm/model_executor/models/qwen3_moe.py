@@ -1,6 +1,7 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``) as ``transformers`` defines it.
 
-Decoder layers: RMSNorm -> attention (q/k/v projections, RMSNorm on each
+Decoder layers: RMSNorm -> attention (q/k/v projections in one GEMM,
+``qkv_proj``, loaded from the checkpoint's q/k/v tensors; RMSNorm on each
 query and key head, RoPE, grouped-query heads) -> residual -> RMSNorm ->
 MoE (softmax over all experts, top-k, renormalized when ``norm_topk_prob``)
 or, for layers in ``mlp_only_layers`` or off ``decoder_sparse_step``, a dense
@@ -133,9 +134,14 @@ class Qwen3MoeAttention(nn.Module):
             config.num_key_value_heads,
         )
         self.head_dim = d
-        self.q_proj = _linear(h, self.num_heads * d, args)
-        self.k_proj = _linear(h, self.num_kv_heads * d, args)
-        self.v_proj = _linear(h, self.num_kv_heads * d, args)
+        # q, k and v in one GEMM; checkpoints name them apart (qkv_shards)
+        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = _linear(h, q_rows + 2 * kv_rows, args)
+        self.qkv_shards = {
+            "q_proj": slice(0, q_rows),
+            "k_proj": slice(q_rows, q_rows + kv_rows),
+            "v_proj": slice(q_rows + kv_rows, q_rows + 2 * kv_rows),
+        }
         self.o_proj = _linear(self.num_heads * d, h, args)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
@@ -146,9 +152,12 @@ class Qwen3MoeAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        # strided views of the one product: the kernels below take row strides
+        q, k, v = (
+            qkv[:, rows].view(tokens, -1, self.head_dim)
+            for rows in self.qkv_shards.values()
+        )
         # norms and rotations in one kernel per tensor (power-of-two heads)
         if runs_gpu_kernels(q) and not self.head_dim & (self.head_dim - 1):
             cos_sin = self.rotary_emb.cos_sin
@@ -315,22 +324,34 @@ class Qwen3MoeForCausalLM(nn.Module):
     def moe_layers(self) -> list[FusedMoE]:
         return [m for m in self.modules() if isinstance(m, FusedMoE)]
 
-    def _dense_params(self) -> dict[str, nn.Parameter]:
-        """Parameters a checkpoint names directly (the experts' are loaded
-        through their FusedMoE; a tied head is the embedding)."""
+    def _dense_tensors(self) -> dict[str, tuple[nn.Parameter, slice]]:
+        """Every tensor a checkpoint names directly, as the parameter (and
+        its rows) it loads into: the experts' load through their FusedMoE,
+        q/k/v into their rows of ``qkv_proj``, a tied head is the embedding."""
         experts = {name for name, m in self.named_modules() if isinstance(m, FusedMoE)}
-        return {
-            name: p
-            for name, p in self.named_parameters()
-            if name.rsplit(".", 1)[0] not in experts
+        stacked = {
+            f"{name}.qkv_proj.weight": (name, m.qkv_shards)
+            for name, m in self.named_modules()
+            if isinstance(m, Qwen3MoeAttention)
         }
+        tensors = {}
+        for name, param in self.named_parameters():
+            if name.rsplit(".", 1)[0] in experts:
+                continue
+            if name in stacked:
+                prefix, shards = stacked[name]
+                for shard, rows in shards.items():
+                    tensors[f"{prefix}.{shard}.weight"] = (param, rows)
+            else:
+                tensors[name] = (param, slice(None))
+        return tensors
 
     def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
         """Name, shape and dtype of every tensor of a checkpoint that this
         model (this expert-parallel rank) loads, experts as per-expert
         tensors."""
-        for name, param in self._dense_params().items():
-            yield name, tuple(param.shape), param.dtype
+        for name, (param, rows) in self._dense_tensors().items():
+            yield name, tuple(param[rows].shape), param.dtype
         for name, layer in self.named_modules():
             if isinstance(layer, FusedMoE):
                 moe = layer.moe
@@ -347,7 +368,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Load checkpoint tensors by their Hugging Face names, then prepare
         the experts. Every parameter must be given once with its shape; an
         unknown, missing or mis-shaped tensor is an error naming it."""
-        params = self._dense_params()
+        params = self._dense_tensors()
         experts = {
             name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)
         }
@@ -369,13 +390,14 @@ class Qwen3MoeForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"weights: {name!r} is not a tensor of this model")
-            param = params[name]
-            if tensor.shape != param.shape:
+            param, rows = params[name]
+            target = param.data[rows]
+            if tensor.shape != target.shape:
                 raise ValueError(
-                    f"weights: {name!r} expected shape {list(param.shape)}, got "
+                    f"weights: {name!r} expected shape {list(target.shape)}, got "
                     f"{list(tensor.shape)}"
                 )
-            param.data.copy_(tensor)
+            target.copy_(tensor)
             missing.discard(name)
         for prefix, parts in fused.items():
             if parts.keys() != {"gate_up_proj", "down_proj"}:

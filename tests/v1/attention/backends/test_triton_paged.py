@@ -83,6 +83,22 @@ def test_decode_with_split_kv_matches_torch(device, num_seqs):
     torch.testing.assert_close(_run(q, cache, meta, 0.3), ref, atol=2e-5, rtol=0)
 
 
+def test_q_as_a_view_of_the_fused_qkv_product(device):
+    """The model passes q as columns of its one q/k/v GEMM's output: a token
+    stride wider than heads x head_size."""
+    torch.manual_seed(2)
+    chunks = [("a", 13, 21), ("b", 5, 6)]
+    q, cache, meta = _step(4, 2, 16, 4, chunks, {"a": 21, "b": 6}, device)
+    tokens = q.shape[0]
+    qkv = torch.randn(tokens, (4 + 2 * 2) * 16, device=device)
+    qkv[:, : 4 * 16] = q.view(tokens, -1)
+    strided = qkv[:, : 4 * 16].view(tokens, 4, 16)
+    assert strided.stride(0) == qkv.shape[1]
+    ref = paged_attention(q, cache, meta, 0.25)
+    torch.testing.assert_close(paged_attention(strided, cache, meta, 0.25), ref)
+    torch.testing.assert_close(_run(strided, cache, meta, 0.25), ref, atol=2e-5, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("decode", [True, False])
