@@ -69,9 +69,9 @@ def test_tokens_equal_the_in_process_engine(checkpoint):
     assert asyncio.run(run()) == [tuple(w) for w in want]
 
 
-def test_a_startup_error_names_its_cause(tmp_path):
-    with pytest.raises(RuntimeError, match=r"the engine failed to start: .*config"):
-        MPClient(config(tmp_path))  # no config.json
+def test_a_refused_setting_reaches_the_caller_as_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match=r"model: expected a .* with config.json"):
+        MPClient(config(tmp_path))  # no config.json: vllm serve's usage error
 
 
 def test_a_killed_engine_fails_the_streams_and_ignores_ctrl_c(checkpoint):

@@ -302,7 +302,7 @@ class _Ready:
 
 @dataclass
 class _StartupError:
-    error: str
+    error: Exception  # a ValueError names the setting the engine refused
 
 
 def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
@@ -315,8 +315,9 @@ def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
         engine_cls = DPEngineCore if config.data_parallel_size > 1 else EngineCore
         engine = engine_cls(config)
     except Exception as e:
-        logger.exception("engine startup failed")
-        conn.send(_StartupError(repr(e)))
+        if not isinstance(e, ValueError):  # a bad setting needs no traceback
+            logger.exception("engine startup failed")
+        conn.send(_StartupError(e))
         return
     conn.send(_Ready(engine.max_model_len))
     inbox = Inbox()
@@ -349,7 +350,9 @@ def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
 
 class MPClient(EngineCoreClient):
     """The engine in a spawned process of its own; construction returns
-    once the engine is built (raising what stopped it)."""
+    once the engine is built, or raises what stopped it: the engine's
+    ``ValueError`` (a setting it refused, by name) as is, anything else as
+    a ``RuntimeError``."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -370,7 +373,9 @@ class MPClient(EngineCoreClient):
             ) from None
         if isinstance(ready, _StartupError):
             self.process.join()
-            raise RuntimeError(f"the engine failed to start: {ready.error}")
+            if isinstance(ready.error, ValueError):  # vllm serve: a usage error
+                raise ValueError(str(ready.error))
+            raise RuntimeError(f"the engine failed to start: {ready.error!r}")
         self.max_model_len = ready.max_model_len
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
