@@ -16,7 +16,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a request is itself (identity), never equal to a look-alike; the
+# scheduler's membership tests stay pointer compares.
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -83,16 +83,17 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = False
+        preempted: set[str] = set()  # this step, by an older request
         for request in list(self.running):
-            if request not in self.running or budget == 0:
-                continue  # preempted by an older request this step
+            if request.request_id in preempted or budget == 0:
+                continue
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget)
             while self.pool.allocate(request.request_id, end) is None:
-                preempted = True
-                self._preempt(self.running[-1])
-                if request not in self.running:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
                     break
             else:
                 chunks.append(ScheduledChunk(request, start, end))
