@@ -6,8 +6,10 @@ then the offline engine runs the same load in a fresh process each:
 ``benchmark_throughput.py`` with ``--max-num-seqs c`` on as many requests of
 the same lengths, and at ``c = 1`` ``benchmark_latency.py``'s batch-1 TPOT.
 The table shows what the HTTP path costs: serving / offline output tokens/s
-and serving TPOT / engine TPOT. Writes every run's JSON, a summary JSON and
-a PNG of throughput and TPOT against concurrency to ``--output-dir``.
+and serving TPOT / engine TPOT. Writes ``sweep.json`` (the table, every
+run's own numbers and the server's engine-loop timing lines), ``sweep.png``
+(throughput and TPOT against concurrency) and ``server.log`` to
+``--output-dir``.
 
     python benchmarks/benchmark_serving_sweep.py --preset qwen3-30b-a3b \\
         --concurrency 1 64 256 --input-len 512 --output-len 256
@@ -51,7 +53,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--quantization", args.quantization] if args.quantization else [])
 
 
-def run_serving(args: argparse.Namespace, model_dir: Path) -> dict[int, dict]:
+def run_serving(
+    args: argparse.Namespace, model_dir: Path, runs: Path
+) -> dict[int, dict]:
     serve_args = [
         "--load-format", "dummy",
         "--max-model-len", str(args.input_len + args.output_len),
@@ -67,7 +71,7 @@ def run_serving(args: argparse.Namespace, model_dir: Path) -> dict[int, dict]:
         # warm-up: the first requests' compilations
         subprocess.run([*client, "--num-prompts", "4"], check=True)
         for c in args.concurrency:
-            path = args.output_dir / f"serving_c{c}.json"
+            path = runs / f"serving_c{c}.json"
             flags = ["--max-concurrency", str(c), "--result-json", str(path)]
             flags += ["--num-prompts", str(num_requests(args, c))]
             print("$", " ".join(client + flags), flush=True)
@@ -78,10 +82,12 @@ def run_serving(args: argparse.Namespace, model_dir: Path) -> dict[int, dict]:
     return results
 
 
-def run_offline(script: str, args: argparse.Namespace, flags: list[str]) -> dict:
+def run_offline(
+    script: str, args: argparse.Namespace, flags: list[str], runs: Path
+) -> dict:
     """One offline benchmark in a fresh process (the GPU to itself); its
     only row."""
-    path = args.output_dir / f"{script}_{'_'.join(flags).replace('-', '')}.json"
+    path = runs / f"{script}_{'_'.join(flags).replace('-', '')}.json"
     cmd = [sys.executable, str(HERE / f"{script}.py"), "--preset", args.preset]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     cmd += [*engine_flags(args), *flags, "--output-json", str(path)]
@@ -151,32 +157,32 @@ def main() -> None:
         parser.error(f"--concurrency: expected values >= 1, got {args.concurrency}")
     args.concurrency = sorted(set(args.concurrency))
 
+    rows, offline_rows = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_preset_config(args.preset, Path(tmp))
-        serving = run_serving(args, model_dir)
-    rows = []
-    for c in args.concurrency:
-        n = num_requests(args, c)
-        offline = run_offline(
-            "benchmark_throughput",
-            args,
-            ["--num-prompts", str(n), "--max-num-seqs", str(c)],
-        )
-        tpot = None
-        if c == 1:
-            latency = run_offline("benchmark_latency", args, ["--num-iters", "2"])
-            tpot = latency["tpot_ms"]
-        rows.append(
-            SweepRow(
-                c,
-                n,
-                serving[c]["output_throughput"],
-                offline["output_tokens_per_s"],
-                serving[c]["tpot_ms"]["median"],
-                tpot,
-                serving[c]["ttft_ms"]["median"],
+        serving = run_serving(args, model_dir, Path(tmp))
+        for c in args.concurrency:
+            n = num_requests(args, c)
+            flags = ["--num-prompts", str(n), "--max-num-seqs", str(c)]
+            offline = run_offline("benchmark_throughput", args, flags, Path(tmp))
+            offline_rows[c] = offline
+            tpot = None
+            if c == 1:
+                flags = ["--num-iters", "2"]
+                latency = run_offline("benchmark_latency", args, flags, Path(tmp))
+                offline_rows[0] = latency  # 0: the batch-1 latency run
+                tpot = latency["tpot_ms"]
+            rows.append(
+                SweepRow(
+                    c,
+                    n,
+                    serving[c]["output_throughput"],
+                    offline["output_tokens_per_s"],
+                    serving[c]["tpot_ms"]["median"],
+                    tpot,
+                    serving[c]["ttft_ms"]["median"],
+                )
             )
-        )
 
     label = args.quantization or args.dtype
     title = f"{args.preset}, {args.input_len} in / {args.output_len} out"
@@ -193,7 +199,17 @@ def main() -> None:
             f"{r.serving_output_tok_s / r.offline_output_tok_s:>6.2f} "
             f"{r.serving_tpot_ms:>14.2f} {engine_tpot:>15} {r.serving_ttft_ms:>8.1f}"
         )
-    summary = {"title": title, "label": label, "rows": [asdict(r) for r in rows]}
+    server_log = (args.output_dir / "server.log").read_text().splitlines()
+    summary = {
+        "title": title,
+        "label": label,
+        "rows": [asdict(r) for r in rows],
+        # Every run's own numbers, and where the server's engine loop spent
+        # its time (one file: the device returns few).
+        "serving": serving,
+        "offline": offline_rows,
+        "engine_loop": [line for line in server_log if "engine loop:" in line],
+    }
     (args.output_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
     if not args.no_plot:
         plot([summary], args.output_dir / "sweep.png")

@@ -3,6 +3,7 @@ checkpoint with its tokenizer (fp32, CPU)."""
 
 import asyncio
 import gc
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -11,6 +12,7 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.outputs import CompletionOutput
+from vllm.v1.engine import core_client
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -182,3 +184,19 @@ def test_a_consumer_that_falls_behind_gets_the_deltas_in_one_batch(llm):
         assert [o.finish_reason for o in outputs][-1] == "length"
 
     serve(llm, body)
+
+
+def test_the_busy_engine_loop_reports_where_its_time_went(llm, monkeypatch, caplog):
+    monkeypatch.setattr(core_client, "LOG_INTERVAL_S", 0.0)  # every iteration
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def body(engine: AsyncLLM) -> None:
+        (deltas,) = await drain(await engine.add_requests([[1, 2, 3]], [params]), 1)
+        assert sum(len(d.token_ids) for d in deltas) == 3
+
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        serve(llm, body)
+    lines = [r.getMessage() for r in caplog.records if "engine loop:" in r.message]
+    assert lines and all("1 steps in" in line for line in lines)
+    assert "step " in lines[0] and "events out " in lines[0]
