@@ -41,7 +41,7 @@ def test_filters_keep_exactly_the_reference_sets():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
 
     def kept(**kw) -> set[int]:
-        probs = filtered_probs(logits, SamplingParams(**kw))
+        probs = filtered_probs(logits[None], [SamplingParams(**kw)])[0]
         return set(probs.nonzero().flatten().tolist())
 
     assert kept(top_k=2) == {0, 1}
@@ -49,7 +49,7 @@ def test_filters_keep_exactly_the_reference_sets():
     assert kept(top_p=0.71) == {0, 1, 2}
     assert kept(min_p=0.3) == {0, 1, 2}  # >= 0.3 * 0.4
     assert kept(top_k=3, top_p=0.5) == {0, 1}
-    probs = filtered_probs(logits, SamplingParams(top_k=2))
+    probs = filtered_probs(logits[None], [SamplingParams(top_k=2)])[0]
     torch.testing.assert_close(probs[:2], torch.tensor([0.4, 0.3]) / 0.7)
 
 
@@ -88,3 +88,38 @@ def test_one_params_per_row():
 def test_one_stop_string_is_not_its_characters():
     assert SamplingParams(stop="END").stop_strings == ["END"]
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
+
+
+def test_a_mixed_batch_filters_each_row_as_alone():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 64) * 3
+    params = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.2, top_k=40),
+        SamplingParams(temperature=0.5),
+    ]
+    batch = filtered_probs(logits, params)
+    for row, p in enumerate(params):
+        alone = filtered_probs(logits[row : row + 1], [p])[0]
+        torch.testing.assert_close(batch[row], alone)
+    assert torch.count_nonzero(batch[0]) == 5  # its top_k
+    assert 0 < torch.count_nonzero(batch[1]) < 64  # its top_p
+    assert torch.count_nonzero(batch[3]) == 64  # no filter: nothing dropped
+
+
+def test_greedy_seeded_and_unseeded_rows_in_one_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 80)
+    greedy = SamplingParams(temperature=0)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    unseeded = SamplingParams(temperature=0.9)
+    out = sample(
+        logits,
+        [greedy, seeded, unseeded],
+        [None, torch.Generator().manual_seed(11), None],
+    )
+    assert out[0].token_id == int(logits[0].argmax())
+    (alone,) = sample(logits[1:2], [seeded], [torch.Generator().manual_seed(11)])
+    assert out[1].token_id == alone.token_id
+    assert 0 <= out[2].token_id < 80

@@ -24,23 +24,36 @@ class SampledToken:
     top_logprobs: dict[int, float]  # the ``logprobs`` most likely, if asked
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling probabilities of one row after temperature and filters."""
-    logits = logits.float() / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Sampling probabilities of the rows of ``logits`` [R, V] after each
+    row's temperature and filters, for the whole batch at once (a loop over
+    rows would launch ~10 kernels per row per step)."""
+    vocab = logits.shape[1]
+    device = logits.device
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    logits = logits.float() / per_row([p.temperature for p in params])
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        ks = torch.tensor(top_k, device=device)[:, None]
+        kth = logits.topk(max(top_k), dim=-1).values.gather(1, ks - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep a token while the tokens before it hold less than top_p.
-        before = sorted_probs.cumsum(0) - sorted_probs
+    if any(p.top_p < 1 for p in params):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep a token while the tokens before it hold less than top_p (rows
+        # without top_p keep all: a rounded sum must not reach 1 and drop).
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        top_p = per_row([p.top_p if p.top_p < 1 else float("inf") for p in params])
         drop = torch.zeros_like(probs, dtype=torch.bool)
-        drop[order] = before >= params.top_p
+        drop.scatter_(1, order, before >= top_p)
         probs = probs.masked_fill(drop, 0.0)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    if any(p.min_p > 0 for p in params):
+        floor = per_row([p.min_p for p in params]) * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(
@@ -57,12 +70,17 @@ def sample(
         )
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     tokens = logits.argmax(dim=-1)  # greedy rows; random rows replaced below
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            probs = filtered_probs(logits[i], p)
-            # The exponential race: argmax(p / E), E ~ Exp(1), draws from p.
-            race = torch.empty_like(probs).exponential_(generator=gen)
-            tokens[i] = (probs / race).argmax()
+    random = [i for i, p in enumerate(params) if not p.greedy]
+    if random:
+        probs = filtered_probs(logits[random], [params[i] for i in random])
+        # The exponential race: argmax(p / E), E ~ Exp(1), draws from p. A
+        # seeded row draws from its own generator (the same tokens in any
+        # batch); the others in one draw.
+        race = torch.empty_like(probs).exponential_()
+        for row, i in enumerate(random):
+            if generators[i] is not None:
+                race[row].exponential_(generator=generators[i])
+        tokens[random] = (probs / race).argmax(dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     out: list[SampledToken] = []
     # One host copy for the batch (a GPU sync per row would stall each step).
