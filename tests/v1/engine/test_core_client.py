@@ -4,17 +4,19 @@ process, and an engine that outlives neither its server nor a Ctrl-C to the
 process group. Tiny checkpoint, fp32, CPU."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.v1.engine.core import EngineConfig
-from vllm.v1.engine.core_client import MPClient
+from vllm.v1.engine.core_client import MPClient, limit_cpu_threads
 from vllm.v1.worker.workspace import reset_workspace_manager
 
 MAX_MODEL_LEN = 96
@@ -104,3 +106,20 @@ def test_the_engine_stops_when_its_server_goes(checkpoint):
     client._conn.close()  # as a dead server's end of the pipe
     client.process.join(timeout=60)
     assert client.process.exitcode == 0
+
+
+def test_a_gpu_engine_process_keeps_one_cpu_thread(monkeypatch, tmp_path):
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        limit_cpu_threads(config(tmp_path))  # a CPU engine computes on them
+        assert torch.get_num_threads() == 2
+        limit_cpu_threads(dataclasses.replace(config(tmp_path), device="cuda"))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+        limit_cpu_threads(dataclasses.replace(config(tmp_path), device="cuda"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

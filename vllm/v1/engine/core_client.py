@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -34,6 +35,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+
+import torch
 
 from vllm.logger import init_logger
 from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats
@@ -305,10 +308,26 @@ class _StartupError:
     error: Exception  # a ValueError names the setting the engine refused
 
 
+def limit_cpu_threads(config: EngineConfig) -> None:
+    """A GPU engine's host tensors are a step's few hundred ids: one CPU
+    thread each op. More only spin (OpenMP waits busy) on the cores the
+    server and its clients need, as vLLM's engine processes avoid too;
+    ``OMP_NUM_THREADS`` overrides."""
+    if (
+        torch.device(config.device).type == "cuda"
+        and "OMP_NUM_THREADS" not in os.environ
+    ):
+        logger.info(
+            "engine process: torch CPU threads %d -> 1", torch.get_num_threads()
+        )
+        torch.set_num_threads(1)
+
+
 def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
     """The engine process: build the engine, then serve the pipe."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    limit_cpu_threads(config)
     from vllm.v1.engine.dp_engine import DPEngineCore
 
     try:

@@ -74,6 +74,7 @@ from vllm.distributed import (
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats
+from vllm.v1.engine.core_client import limit_cpu_threads
 from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -276,6 +277,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
         torch.set_num_threads(
             max(1, (os.cpu_count() or 1) // config.data_parallel_size)
         )
+    limit_cpu_threads(config)
     control = _join_world(config, rank, port)
     try:
         engine = EngineCore(_rank_config(config, rank))
