@@ -32,6 +32,7 @@ from vllm.entrypoints.openai.protocol import (
     StreamOptions,
 )
 from vllm.entrypoints.openai.serving_engine import (
+    ChunkEvents,
     OpenAIServing,
     collect,
     json_response,
@@ -118,8 +119,7 @@ class OpenAIServingChat(OpenAIServing):
         options: StreamOptions,
         top: int | None,
     ) -> AsyncIterator[str]:
-        def event(choice: ChatCompletionResponseStreamChoice) -> str:
-            return sse(response.model_copy(update={"choices": [choice]}))
+        event = ChunkEvents(response).event
 
         for index in range(n):
             role = DeltaMessage(role="assistant", content="")

@@ -27,6 +27,7 @@ from vllm.entrypoints.openai.protocol import (
     StreamOptions,
 )
 from vllm.entrypoints.openai.serving_engine import (
+    ChunkEvents,
     OpenAIServing,
     collect,
     json_response,
@@ -115,6 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         num_tokens = 0
         offsets: dict[int, int] = {}
+        chunks = ChunkEvents(response)
         async for batch in stream.batches():
             events = []
             for index, delta in batch:
@@ -133,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=choice_logprobs,
                     finish_reason=out.finish_reason,
                 )
-                events.append(sse(response.model_copy(update={"choices": [choice]})))
+                events.append(chunks.event(choice))
             if events:
                 yield "".join(events)  # one write for the batch
         if options.include_usage:

@@ -49,6 +49,20 @@ def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
+class ChunkEvents:
+    """A stream's chunk events: ``response`` (built with no choices) dumped
+    once around each event's one choice, the same bytes as dumping a copy
+    of it per event at a third of the cost (a busy stream's biggest share
+    of server CPU after the HTTP writes)."""
+
+    def __init__(self, response: BaseModel) -> None:
+        head, tail = response.model_dump_json().split('"choices":[]', 1)
+        self._head, self._tail = f'data: {head}"choices":[', f"]{tail}\n\n"
+
+    def event(self, choice: BaseModel) -> str:
+        return f"{self._head}{choice.model_dump_json()}{self._tail}"
+
+
 class _AbortingStreamingResponse(StreamingResponse):
     """Aborts its requests when the response ends, whatever ends it."""
 
