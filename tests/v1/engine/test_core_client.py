@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,19 @@ from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.v1.engine.core import EngineConfig
-from vllm.v1.engine.core_client import MPClient, limit_cpu_threads
+from vllm.v1.engine.core_client import (
+    Added,
+    AddRequests,
+    Dead,
+    EngineCoreLoop,
+    EngineCoreOutputs,
+    Event,
+    Inbox,
+    MPClient,
+    limit_cpu_threads,
+    serve_engine,
+)
+from vllm.v1.request import Request
 from vllm.v1.worker.workspace import reset_workspace_manager
 
 MAX_MODEL_LEN = 96
@@ -123,3 +137,41 @@ def test_a_gpu_engine_process_keeps_one_cpu_thread(monkeypatch, tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_failing_event_handler_ends_the_loop_with_dead(checkpoint):
+    """Not only a step: whatever raises in the loop (here the frontend's
+    handler of the first outputs) reports Dead instead of leaving callers
+    waiting on a loop that is gone."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN)
+    events: list[Event] = []
+
+    def emit(event: Event) -> None:
+        events.append(event)
+        if isinstance(event, EngineCoreOutputs):
+            raise RuntimeError("handler bug")
+
+    inbox = Inbox()
+    inbox.put(AddRequests(0, [Request("r", [1, 2, 3], GREEDY)]))
+    serve_engine(EngineCoreLoop(llm.engine), inbox, emit)  # returns
+    assert isinstance(events[0], Added) and events[0].error is None
+    assert isinstance(events[-1], Dead) and "handler bug" in events[-1].error
+    reset_workspace_manager()
+
+
+def test_an_unstopped_client_does_not_hang_the_exit(checkpoint, tmp_path):
+    """A script that builds the engine process and exits without shutting it
+    down (or dies of an exception) still exits: the pipe closes first."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from vllm.v1.engine.core import EngineConfig\n"
+        "from vllm.v1.engine.core_client import MPClient\n"
+        "if __name__ == '__main__':  # spawn re-imports the script\n"
+        f"    client = MPClient(EngineConfig({str(checkpoint)!r}, dtype='float32', "
+        f"device='cpu', max_model_len={MAX_MODEL_LEN}))\n"
+        "    raise SystemExit(3)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], env=env, timeout=120)
+    assert done.returncode == 3

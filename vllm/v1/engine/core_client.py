@@ -24,6 +24,7 @@ server died).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -35,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -210,8 +212,19 @@ def serve_engine(
     core: EngineCoreLoop, inbox: Inbox, emit: Callable[[Event], None]
 ) -> None:
     """The engine loop, until a ``Shutdown`` with nothing left to finish (or
-    without draining); a step that raises emits :class:`Dead` and ends it.
-    While busy it logs :class:`LoopTimes` every ``LOG_INTERVAL_S``."""
+    without draining). Anything that raises in it (a step, the handler of
+    an event) emits :class:`Dead` and ends it: callers never wait on a loop
+    that is gone. While busy it logs :class:`LoopTimes` every
+    ``LOG_INTERVAL_S``."""
+    try:
+        _loop(core, inbox, emit)
+    except Exception as e:
+        logger.exception("engine loop failed")
+        with contextlib.suppress(Exception):  # the handler may be what failed
+            emit(Dead(repr(e)))
+
+
+def _loop(core: EngineCoreLoop, inbox: Inbox, emit: Callable[[Event], None]) -> None:
     closing = False
     times = LoopTimes()
     while not (closing and not core.has_work()):
@@ -228,14 +241,9 @@ def serve_engine(
                 if not command.drain:
                     core.abort_all()
         start = time.monotonic()
-        try:
-            if core.has_work():
-                core.engine.step()
-                times.steps += 1
-        except Exception as e:
-            logger.exception("engine step failed")
-            emit(Dead(repr(e)))
-            return
+        if core.has_work():
+            core.engine.step()
+            times.steps += 1
         stepped = time.monotonic()
         outputs = core.outputs()
         emit(outputs)
@@ -371,7 +379,13 @@ class MPClient(EngineCoreClient):
     """The engine in a spawned process of its own; construction returns
     once the engine is built, or raises what stopped it: the engine's
     ``ValueError`` (a setting it refused, by name) as is, anything else as
-    a ``RuntimeError``."""
+    a ``RuntimeError``.
+
+    :meth:`send` only queues: one writer thread owns the pipe's sending end,
+    so a send never blocks the event loop and a stream's finalizer may send
+    an abort from anywhere (even inside another send). At interpreter exit
+    the pipe is closed first, so the engine stops and the exit's join of
+    child processes does not wait on it."""
 
     def __init__(self, config: EngineConfig) -> None:
         context = multiprocessing.get_context("spawn")
@@ -382,6 +396,7 @@ class MPClient(EngineCoreClient):
         )
         self.process.start()
         child.close()
+        atexit.register(_close_at_exit, self._conn, self.process)
         try:
             ready = self._conn.recv()
         except EOFError:
@@ -390,27 +405,45 @@ class MPClient(EngineCoreClient):
                 f"the engine process exited with code {self.process.exitcode} "
                 "before it was ready"
             ) from None
+        except BaseException:  # a signal while the model loads: stop it now
+            self.process.kill()
+            self.process.join()
+            raise
         if isinstance(ready, _StartupError):
             self.process.join()
             if isinstance(ready.error, ValueError):  # vllm serve: a usage error
                 raise ValueError(str(ready.error))
             raise RuntimeError(f"the engine failed to start: {ready.error!r}")
         self.max_model_len = ready.max_model_len
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(
+            target=self._write_commands, name="vllm-engine-commands", daemon=True
+        )
+        self._writer.start()
         self._reader: threading.Thread | None = None
+
+    def _write_commands(self) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
+                self._conn.send(command)
+            except (BrokenPipeError, OSError):
+                return  # the engine is gone: the reader reports its death
 
     def start(self, on_event: Callable[[Event], None]) -> None:
         def read_events() -> None:
-            while True:
-                try:
-                    event = self._conn.recv()
-                except (EOFError, OSError):
-                    self.process.join(timeout=5)
-                    code = self.process.exitcode
-                    if code != 0:
-                        on_event(Dead(f"the engine process exited with code {code}"))
-                    return
-                on_event(event)
+            try:
+                while True:
+                    on_event(self._conn.recv())
+            except (EOFError, OSError):  # the engine process ended
+                self.process.join(timeout=5)
+                code = self.process.exitcode
+                if code != 0:
+                    on_event(Dead(f"the engine process exited with code {code}"))
+            except Exception as e:  # a bad event, or a handler that raised
+                logger.exception("engine events: reading failed")
+                self.process.kill()
+                with contextlib.suppress(Exception):
+                    on_event(Dead(f"reading the engine's events failed: {e!r}"))
 
         self._reader = threading.Thread(
             target=read_events, name="vllm-engine-output", daemon=True
@@ -418,12 +451,24 @@ class MPClient(EngineCoreClient):
         self._reader.start()
 
     def send(self, command: Command) -> None:
-        # A dead engine's pipe refuses: the reader reports the death.
-        with self._send_lock, contextlib.suppress(BrokenPipeError, OSError):
-            self._conn.send(command)
+        self._outbox.put(command)
 
     def join(self) -> None:
-        self.process.join()
+        # The reader reaps the process once its pipe ends; joining it first
+        # leaves one thread waiting on the process.
         if self._reader is not None:
             self._reader.join()
+        self.process.join()
+        self._outbox.put(None)
+        self._writer.join()
         self._conn.close()
+
+
+def _close_at_exit(conn: Connection, process: BaseProcess) -> None:
+    """At interpreter exit: end the engine (its pipe closes) before the
+    exit's join of child processes, killing it if it does not stop."""
+    if process.is_alive():
+        conn.close()
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
