@@ -41,24 +41,20 @@ from vllm.model_executor.kernels.common.activation_quant import (
     gated_act,
     gated_act_reference,
 )
+from vllm.model_executor.kernels.common.checks import (
+    arg_error,
+    check_contiguous,
+    check_index,
+    check_rows,
+)
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
+from vllm.model_executor.kernels.moe_permute.sort import route_bucket
 
 # Up to this many tokens the expert layers take these kernels: per-route
 # weight reads cost little while few tokens share an expert (top-8 of 128:
 # ~7% re-read at 4 tokens); above it the sorted path reads each expert once.
 DECODE_MAX_TOKENS = 8
-
-
-@triton.jit
-def _local_expert(ids_ptr, map_ptr, offsets, num_experts, HAS_MAP: tl.constexpr):
-    """The routes' local experts, or -1 (invalid id, or not local)."""
-    expert = tl.load(ids_ptr + offsets).to(tl.int32)
-    valid = (expert >= 0) & (expert < num_experts)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert, mask=valid, other=-1).to(tl.int32)
-        valid = expert >= 0
-    return tl.where(valid, expert, -1)
 
 
 @triton.jit
@@ -73,6 +69,7 @@ def _decode_gated_kernel(
     inter,
     topk,
     num_experts,
+    num_local,
     stride_x,
     stride_ids,
     stride_act,
@@ -86,10 +83,12 @@ def _decode_gated_kernel(
 ):
     route = tl.program_id(0)
     token = route // topk
-    expert = _local_expert(
-        ids_ptr, map_ptr, token * stride_ids + route % topk, num_experts, HAS_MAP
-    )
-    if expert >= 0:
+    # The route's local expert; num_local for an invalid or remote one.
+    expert = route_bucket(
+        ids_ptr, map_ptr, token * stride_ids + route % topk,
+        route < tl.num_programs(0), num_experts, num_local, HAS_MAP,
+    )  # fmt: skip
+    if expert < num_local:
         # 2 x BLOCK_N interleaved rows: gate 0, up 0, gate 1, ...
         rows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         row_ok = rows < 2 * inter
@@ -128,6 +127,7 @@ def _decode_down_kernel(
     hidden,
     topk,
     num_experts,
+    num_local,
     stride_act,
     stride_ids,
     stride_weights,
@@ -142,11 +142,11 @@ def _decode_down_kernel(
     # tiles together (one round trip, not one per route).
     token = tl.program_id(0)
     k_routes = tl.arange(0, BLOCK_R)
-    last = tl.minimum(k_routes, topk - 1)  # lanes past topk re-read the last id
-    experts = _local_expert(
-        ids_ptr, map_ptr, token * stride_ids + last, num_experts, HAS_MAP
-    )
-    valid = (experts >= 0) & (k_routes < topk)
+    experts = route_bucket(
+        ids_ptr, map_ptr, token * stride_ids + k_routes, k_routes < topk,
+        num_experts, num_local, HAS_MAP,
+    )  # fmt: skip
+    valid = experts < num_local
     routes = token * topk + k_routes
     weights = tl.load(
         topk_weights_ptr + token * stride_weights + k_routes, mask=valid, other=0.0
@@ -222,62 +222,46 @@ def _check(
     act: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Raise naming the first argument that does not fit."""
-    tokens, hidden = x.shape if x.dim() == 2 else (-1, -1)
-    experts, two_inter = w13.shape[:2] if w13.dim() == 3 else (-1, -1)
-    inter = two_inter // 2
-    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
-    weight_dtypes = (x.dtype, FP8_DTYPE)
-    scale_expected = "fp32 [E, N] for fp8 weights, else None"
-    for name, ok, expected, got in (
-        ("x", x.dim() == 2 and x.stride(1) == 1, "[T, K] with unit column stride",
-         f"{tuple(x.shape)} strides {x.stride()}"),
-        ("x", x.dtype in (torch.bfloat16, torch.float16, torch.float32),
-         "bfloat16, float16 or float32", x.dtype),
-        ("w13", w13.dim() == 3 and w13.is_contiguous() and two_inter % 2 == 0
-         and w13.shape[2] == hidden and w13.dtype in weight_dtypes,
-         f"contiguous [E, 2I, {hidden}] {x.dtype} or fp8",
-         f"{tuple(w13.shape)} {w13.dtype}"),
-        ("w2", w2.is_contiguous() and tuple(w2.shape) == (experts, hidden, inter)
-         and w2.dtype == w13.dtype, f"contiguous [{experts}, {hidden}, {inter}] "
-         f"{w13.dtype}", f"{tuple(w2.shape)} {w2.dtype}"),
-        ("w13_scale", (w13_scale is None) == (w13.dtype != FP8_DTYPE) and (
-            w13_scale is None or (w13_scale.is_contiguous() and w13_scale.dtype
-            == torch.float32 and tuple(w13_scale.shape) == (experts, two_inter))),
-         scale_expected, None if w13_scale is None else tuple(w13_scale.shape)),
-        ("w2_scale", (w2_scale is None) == (w2.dtype != FP8_DTYPE) and (
-            w2_scale is None or (w2_scale.is_contiguous() and w2_scale.dtype
-            == torch.float32 and tuple(w2_scale.shape) == (experts, hidden))),
-         scale_expected, None if w2_scale is None else tuple(w2_scale.shape)),
-        ("topk_ids", topk_ids.dim() == 2 and topk_ids.shape[0] == tokens
-         and topk_ids.stride(1) == 1 and topk_ids.dtype in (torch.int32, torch.int64),
-         f"[{tokens}, topk] int32/int64 with unit column stride",
-         f"{tuple(topk_ids.shape)} {topk_ids.dtype}"),
-        ("topk_weights", tuple(topk_weights.shape) == (tokens, topk)
-         and topk_weights.stride(1) == 1 and topk_weights.dtype == torch.float32,
-         f"[{tokens}, {topk}] float32", f"{tuple(topk_weights.shape)} "
-         f"{topk_weights.dtype}"),
-        ("expert_map", expert_map is None or (expert_map.dim() == 1
-         and expert_map.is_contiguous() and expert_map.dtype == torch.int32),
-         "None or a contiguous int32 [global experts] map", expert_map),
-        ("activation", activation in ACTIVATIONS, f"one of {ACTIVATIONS}",
-         activation),
-        ("act", act.shape[0] >= tokens * topk and act.shape[1] == inter
-         and act.stride(1) == 1 and act.dtype == x.dtype,
-         f"[>= {tokens * topk}, {inter}] {x.dtype} with unit column stride",
-         f"{tuple(act.shape)} {act.dtype}"),
-        ("out", tuple(out.shape) == (tokens, hidden) and out.stride(1) == 1
-         and out.dtype == x.dtype, f"[{tokens}, {hidden}] {x.dtype}",
-         f"{tuple(out.shape)} {out.dtype}"),
-    ):  # fmt: skip
-        if not ok:
-            raise ValueError(f"{name}: expected {expected}, got {got}")
-    devices = {t.device for t in (x, topk_ids, topk_weights, w13, w2, act, out)}
-    devices |= {t.device for t in (w13_scale, w2_scale, expert_map) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(
-            f"tensors: expected one device, got {sorted(map(str, devices))}"
-        )
+    """Raise naming the first argument that does not fit (messages are built
+    only on failure: this runs on every call)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise arg_error(
+            "x", f"a [T, K] bfloat16, float16 or float32 tensor, got {x.dtype} "
+            f"{tuple(x.shape)}",
+        )  # fmt: skip
+    (tokens, hidden), device = x.shape, x.device
+    check_rows("x", x, tokens, hidden, (x.dtype,), device)
+    if w13.dim() != 3 or w13.shape[1] % 2 or w13.dtype not in (x.dtype, FP8_DTYPE):
+        raise arg_error(
+            "w13", f"[E, 2I, {hidden}] {x.dtype} or fp8 weights, got {w13.dtype} "
+            f"{tuple(w13.shape)}",
+        )  # fmt: skip
+    experts, two_inter = w13.shape[:2]
+    check_contiguous("w13", w13, w13.dtype, (experts, two_inter, hidden), device)
+    check_contiguous("w2", w2, w13.dtype, (experts, hidden, two_inter // 2), device)
+    fp8 = w13.dtype == FP8_DTYPE
+    for name, scale, rows in (("w13_scale", w13_scale, two_inter),
+                              ("w2_scale", w2_scale, hidden)):  # fmt: skip
+        if scale is not None and fp8:
+            check_contiguous(name, scale, torch.float32, (experts, rows), device)
+        elif (scale is None) == fp8:
+            got = "None" if scale is None else "a tensor"
+            raise arg_error(name, f"fp32 [E, N] for fp8 weights, else None, got {got}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise arg_error("topk_ids", f"[{tokens}, topk], got {tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    check_rows("topk_ids", topk_ids, tokens, topk, (torch.int32, torch.int64), device)
+    if topk_weights.shape[0] != tokens:
+        raise arg_error("topk_weights", f"{tokens} rows, got {topk_weights.shape[0]}")
+    check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
+    if expert_map is not None:
+        check_index("expert_map", expert_map, 1, device)
+    if activation not in ACTIVATIONS:
+        raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
+    check_rows("act", act, tokens * topk, two_inter // 2, (x.dtype,), device)
+    if out.shape[0] != tokens:
+        raise arg_error("out", f"{tokens} rows, got {out.shape[0]}")
+    check_rows("out", out, tokens, hidden, (x.dtype,), device)
 
 
 def moe_decode(
@@ -309,7 +293,8 @@ def moe_decode(
     map_arg = expert_map if expert_map is not None else topk_ids
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
-        act, hidden, inter, topk, num_ids, x.stride(0), topk_ids.stride(0),
+        act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
+        topk_ids.stride(0),
         act.stride(0), HAS_MAP=expert_map is not None,
         HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
@@ -319,7 +304,8 @@ def moe_decode(
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, topk_ids, map_arg, topk_weights, w2,
         w2_scale if w2_scale is not None else w2, out, inter, hidden, topk,
-        num_ids, act.stride(0), topk_ids.stride(0), topk_weights.stride(0),
+        num_ids, w13.shape[0], act.stride(0), topk_ids.stride(0),
+        topk_weights.stride(0),
         out.stride(0), HAS_MAP=expert_map is not None,
         HAS_SCALE=w2_scale is not None, BLOCK_R=triton.next_power_of_2(topk),
         BLOCK_N=config.down_block_n,

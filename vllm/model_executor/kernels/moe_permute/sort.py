@@ -60,7 +60,7 @@ def sort_workspace_numel(num_routes: int, num_local_experts: int) -> int:
 
 
 @triton.jit
-def _route_bucket(
+def route_bucket(
     topk_ids_ptr,
     expert_map_ptr,
     routes,
@@ -96,7 +96,7 @@ def _route_sort_single_kernel(
     # One program: sorting the unique keys (bucket, route) puts every route at
     # its destination directly.
     routes = tl.arange(0, BLOCK)
-    bucket = _route_bucket(
+    bucket = route_bucket(
         topk_ids_ptr,
         expert_map_ptr,
         routes,
@@ -139,7 +139,7 @@ def _route_count_kernel(
     # counts[block, e] = routes of this block on local expert e.
     block = tl.program_id(0)
     routes = block * BLOCK + tl.arange(0, BLOCK)
-    bucket = _route_bucket(
+    bucket = route_bucket(
         topk_ids_ptr,
         expert_map_ptr,
         routes,
@@ -207,7 +207,7 @@ def _route_scatter_kernel(
     # BLOCK minus its valid count.
     invalid_shift = num_valid + (block * BLOCK - tl.sum(earlier, 0)) - tl.sum(own, 0)
     local = tl.arange(0, BLOCK)
-    bucket = _route_bucket(
+    bucket = route_bucket(
         topk_ids_ptr,
         expert_map_ptr,
         block * BLOCK + local,
