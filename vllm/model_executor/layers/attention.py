@@ -38,16 +38,18 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
     ) -> torch.Tensor:
         """``q`` [T, heads, head_size], ``k``/``v`` [T, kv_heads, head_size]
-        -> [T, heads * head_size]."""
+        -> [T, heads * head_size]. ``kv_stored``: the caller's kernel has
+        already stored ``k`` and ``v`` at the step's cache slots."""
         meta = current_attn_metadata()
         if meta is None:
             return attend(q, k, v, self.scale, 0)
         if self.kv_cache is None:
             raise RuntimeError("attention: a batched step needs a bound KV cache")
-        write_kv_cache(self.kv_cache, k, v, meta.slot_mapping)
+        if not kv_stored:
+            write_kv_cache(self.kv_cache, k, v, meta.slot_mapping)
         if not runs_gpu_kernels(q):
             return paged_attention(q, self.kv_cache, meta, self.scale)
         return triton_paged_attention(

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from vllm.distributed import GroupCoordinator
+from vllm.forward_context import current_attn_metadata
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.qk_norm_rope import qk_norm_rope_
 from vllm.model_executor.layers.attention import Attention
@@ -40,6 +41,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import UnquantizedLinear
 from vllm.model_executor.layers.quantization.marlin import MarlinLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -119,9 +121,7 @@ def _linear(n_in: int, n_out: int, args: BuildArgs, quantize: bool = True) -> nn
     where ``quantize`` (the router and the head stay 16-bit)."""
     if quantize and args.quantization == "w4a16":
         return MarlinLinear(n_in, n_out, params_dtype=args.dtype, device=args.device)
-    layer = nn.Linear(n_in, n_out, bias=False, dtype=args.dtype, device=args.device)
-    layer.weight.requires_grad_(False)
-    return layer
+    return UnquantizedLinear(n_in, n_out, dtype=args.dtype, device=args.device)
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -158,14 +158,26 @@ class Qwen3MoeAttention(nn.Module):
             qkv[:, rows].view(tokens, -1, self.head_dim)
             for rows in self.qkv_shards.values()
         )
-        # norms and rotations in one kernel per tensor (power-of-two heads)
-        if runs_gpu_kernels(q) and not self.head_dim & (self.head_dim - 1):
-            cos_sin = self.rotary_emb.cos_sin
-            for x, norm in ((q, self.q_norm), (k, self.k_norm)):
-                qk_norm_rope_(x, norm.weight, norm.eps, cos_sin, positions)
-        else:
+        if not runs_gpu_kernels(q) or self.head_dim & (self.head_dim - 1):
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        return self.o_proj(self.attn(q, k, v))
+            return self.o_proj(self.attn(q, k, v))
+        # norms, rotations and, in a batched step, the KV-cache store in one
+        # kernel (power-of-two heads)
+        meta = current_attn_metadata()
+        cache = None if meta is None else self.attn.kv_cache
+        qk_norm_rope_(
+            q,
+            k,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            self.rotary_emb.cos_sin,
+            positions,
+            kv_cache=cache,
+            v=v,
+            slot_mapping=None if meta is None else meta.slot_mapping,
+        )
+        return self.o_proj(self.attn(q, k, v, kv_stored=cache is not None))
 
 
 class Qwen3MoeMLP(nn.Module):

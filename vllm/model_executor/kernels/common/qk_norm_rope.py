@@ -1,10 +1,12 @@
-"""Per-head RMSNorm and rotary embedding of queries or keys in one kernel
-(Triton), in place.
+"""Per-head RMSNorm and rotary embedding of queries and keys in one kernel
+(Triton), in place, and optionally the step's keys and values stored into
+the paged KV cache.
 
 Qwen3 normalizes every query and key head before RoPE. In plain PyTorch
 that is some twenty small kernels per layer (two norms, the cos/sin
-gather, the rotations); at decode sizes their launches dominate the
-attention's time. One program takes one token's heads of one tensor. It
+gather, the rotations), and the cache write two more; at decode sizes
+their launches dominate the attention's time. One program takes one
+token's heads of one tensor (queries, keys, or values to store). It
 rounds where ``transformers`` does (normed to the dtype, scaled in it; cos
 and sin rounded; ``x * cos`` and ``rotate_half(x) * sin`` each rounded
 before the sum); 16-bit results match the reference up to the roundings
@@ -31,57 +33,118 @@ def _norm_row(x_ptr, weight_ptr, offs, mask, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
-    x_ptr,  # [T, heads, HEAD_DIM], rewritten in place
-    weight_ptr,  # [HEAD_DIM]
-    cos_sin_ptr,  # [2, max_position, HEAD_DIM] fp32
-    positions_ptr,  # [T] int64
-    heads,
-    eps,
-    stride_t,
-    stride_h,
-    stride_cs,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
+def _norm_rope_heads(row, mask, weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
+    """The heads at ``row`` [BLOCK_H, 1] normed and rotated, in their dtype."""
     d = tl.arange(0, HEAD_DIM)
     half = HEAD_DIM // 2
     partner = (d + half) % HEAD_DIM  # rotate_half's source column
-    mask = (h < heads)[:, None]
-    row = x_ptr + t * stride_t + h[:, None] * stride_h
-    dtype = x_ptr.dtype.element_ty
+    dtype = row.dtype.element_ty
     x = _norm_row(row + d[None, :], weight_ptr, d, mask, eps, HEAD_DIM)
     x_partner = _norm_row(
         row + partner[None, :], weight_ptr, partner, mask, eps, HEAD_DIM
     )
     rotated = tl.where(d < half, -x_partner, x_partner)
-    pos = tl.load(positions_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + stride_cs + pos * HEAD_DIM + d).to(dtype)
     a = (x * cos[None, :]).to(dtype).to(tl.float32)
-    b = (rotated * sin.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    tl.store(row + d[None, :], (a + b).to(dtype), mask=mask)
+    b = (rotated * sin[None, :]).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,  # [T, q_heads, HEAD_DIM], rewritten in place
+    k_ptr,  # [T, kv_heads, HEAD_DIM], rewritten in place
+    v_ptr,  # [T, kv_heads, HEAD_DIM] (WITH_CACHE)
+    q_weight_ptr,  # [HEAD_DIM]
+    k_weight_ptr,  # [HEAD_DIM]
+    cos_sin_ptr,  # [2, max_position, HEAD_DIM] fp32
+    positions_ptr,  # [T] int64
+    cache_ptr,  # [2, blocks, block_size, kv_heads, HEAD_DIM] (WITH_CACHE)
+    slots_ptr,  # [T] int64 (WITH_CACHE)
+    q_heads,
+    kv_heads,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_cache,  # from the keys' half of the cache to the values'
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WITH_CACHE: tl.constexpr,
+):
+    """Program (t, 0) takes token t's queries, (t, 1) its keys, (t, 2) its
+    values (a copy into the cache: that role exists WITH_CACHE only)."""
+    t = tl.program_id(0).to(tl.int64)
+    role = tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    kv_mask = (h < kv_heads)[:, None]
+    if WITH_CACHE:
+        slot = tl.load(slots_ptr + t)
+        cache_row = cache_ptr + slot * kv_heads * HEAD_DIM
+        cache_row += h[:, None] * HEAD_DIM + d[None, :]
+    if role == 2:
+        v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        tl.store(cache_row + stride_cache, tl.load(v_row, kv_mask), kv_mask)
+    else:
+        dtype = q_ptr.dtype.element_ty
+        pos = tl.load(positions_ptr + t)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + stride_cs + pos * HEAD_DIM + d)
+        sin = sin.to(dtype).to(tl.float32)
+        if role == 0:
+            row = q_ptr + t * stride_qt + h[:, None] * stride_qh
+            mask = (h < q_heads)[:, None]
+            x = _norm_rope_heads(row, mask, q_weight_ptr, cos, sin, eps, HEAD_DIM)
+            tl.store(row + d[None, :], x, mask)
+        else:
+            row = k_ptr + t * stride_kt + h[:, None] * stride_kh
+            x = _norm_rope_heads(row, kv_mask, k_weight_ptr, cos, sin, eps, HEAD_DIM)
+            tl.store(row + d[None, :], x, kv_mask)
+            if WITH_CACHE:
+                tl.store(cache_row, x, kv_mask)
+
+
+def _check_heads(name: str, x: torch.Tensor, tokens: int, head_size: int) -> None:
+    if (
+        x.dim() != 3
+        or x.shape[0] != tokens
+        or x.shape[2] != head_size
+        or x.stride(2) != 1
+    ):
+        raise ValueError(
+            f"{name}: expected [{tokens}, heads, {head_size}] with unit stride, got "
+            f"{tuple(x.shape)} (strides {x.stride()})"
+        )
 
 
 def qk_norm_rope_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
     eps: float,
     cos_sin: torch.Tensor,
     positions: torch.Tensor,
-) -> torch.Tensor:
-    """Normalize and rotate every head of ``x`` [T, heads, head_size] in
-    place (heads at unit stride) by its token's position; returns ``x``.
-    ``cos_sin`` [2, max_position, head_size] fp32 holds each position's
-    cos and sin."""
-    tokens, heads, head_size = x.shape
-    if x.stride(2) != 1 or head_size % 2 or head_size & (head_size - 1):
-        raise ValueError(
-            f"x: expected [T, heads, head_size] with unit stride and head_size a "
-            f"power of two, got {tuple(x.shape)} (strides {x.stride()})"
-        )
+    kv_cache: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    """Normalize and rotate every head of ``q`` [T, heads, head_size] and
+    ``k`` [T, kv_heads, head_size] in place (heads at unit stride) by its
+    token's position. ``cos_sin`` [2, max_position, head_size] fp32 holds
+    each position's cos and sin. With ``kv_cache`` [2, blocks, block_size,
+    kv_heads, head_size], the rotated keys and ``v`` are also stored at the
+    tokens' cache slots ``slot_mapping`` [T] (as ``write_kv_cache``)."""
+    tokens, q_heads, head_size = q.shape
+    if head_size % 2 or head_size & (head_size - 1):
+        raise ValueError(f"q: expected a power-of-two head_size, got {head_size}")
+    _check_heads("q", q, tokens, head_size)
+    _check_heads("k", k, tokens, head_size)
+    kv_heads = k.shape[1]
     if (
         cos_sin.dtype != torch.float32
         or cos_sin.shape[::2] != (2, head_size)
@@ -91,23 +154,64 @@ def qk_norm_rope_(
             f"cos_sin: expected contiguous fp32 [2, positions, {head_size}], got "
             f"{cos_sin.dtype} {tuple(cos_sin.shape)}"
         )
-    if positions.shape != (tokens,) or weight.shape != (head_size,):
+    if k.dtype != q.dtype:
+        raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
+    if positions.shape != (tokens,) or {q_weight.shape, k_weight.shape} != {
+        (head_size,)
+    }:
         raise ValueError(
-            f"positions/weight: expected [{tokens}] and [{head_size}], got "
-            f"{tuple(positions.shape)} and {tuple(weight.shape)}"
+            f"positions/weights: expected [{tokens}] and [{head_size}], got "
+            f"{tuple(positions.shape)}, {tuple(q_weight.shape)} and "
+            f"{tuple(k_weight.shape)}"
         )
-    if tokens:
-        _qk_norm_rope_kernel[(tokens,)](
-            x,
-            weight,
-            cos_sin,
-            positions,
-            heads,
-            eps,
-            x.stride(0),
-            x.stride(1),
-            cos_sin.stride(0),
-            HEAD_DIM=head_size,
-            BLOCK_H=triton.next_power_of_2(heads),
-        )
-    return x
+    if kv_cache is None:  # the kernel reads none of these without a cache
+        cache, values, slots = q, k, positions
+    else:
+        if v is None or slot_mapping is None:
+            raise ValueError("v/slot_mapping: expected both with a kv_cache")
+        _check_heads("v", v, tokens, head_size)
+        if (
+            kv_cache.shape[0] != 2
+            or kv_cache.shape[3:] != (kv_heads, head_size)
+            or not kv_cache.is_contiguous()
+            or kv_cache.dtype != k.dtype
+        ):
+            raise ValueError(
+                f"kv_cache: expected contiguous {k.dtype} [2, blocks, block_size, "
+                f"{kv_heads}, {head_size}], got {kv_cache.dtype} "
+                f"{tuple(kv_cache.shape)}"
+            )
+        if slot_mapping.shape != (tokens,) or slot_mapping.dtype != torch.long:
+            raise ValueError(
+                f"slot_mapping: expected int64 [{tokens}], got {slot_mapping.dtype} "
+                f"{tuple(slot_mapping.shape)}"
+            )
+        cache, values, slots = kv_cache, v, slot_mapping
+    if not tokens:
+        return
+    with_cache = kv_cache is not None
+    _qk_norm_rope_kernel[(tokens, 3 if with_cache else 2)](
+        q,
+        k,
+        values,
+        q_weight,
+        k_weight,
+        cos_sin,
+        positions,
+        cache,
+        slots,
+        q_heads,
+        kv_heads,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        values.stride(0),
+        values.stride(1),
+        cos_sin.stride(0),
+        cache.stride(0),
+        HEAD_DIM=head_size,
+        BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
+        WITH_CACHE=with_cache,
+    )
