@@ -7,15 +7,15 @@ from torch import nn
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.skinny_gemm import (
-    SKINNY_MAX_ROWS,
     skinny_gemm,
+    skinny_gemm_applies,
 )
 
 
 class UnquantizedLinear(nn.Linear):
-    """A bias-free ``nn.Linear`` (frozen weight) whose decode-size calls, up
-    to ``SKINNY_MAX_ROWS`` rows of 16-bit activations on a GPU, stream the
-    weight with ``skinny_gemm``; other calls are ``nn.Linear``'s."""
+    """A bias-free ``nn.Linear`` (frozen weight); on a GPU the products that
+    ``skinny_gemm`` wins (a token or two through a short weight: a MoE
+    router at decode) run there, the others are ``nn.Linear``'s."""
 
     def __init__(
         self,
@@ -33,8 +33,7 @@ class UnquantizedLinear(nn.Linear):
         rows = x.numel() // self.in_features
         if (
             runs_gpu_kernels(x)
-            and 0 < rows <= SKINNY_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16)
+            and skinny_gemm_applies(rows, self.out_features, x.dtype)
             and x.stride(-1) == 1
         ):
             out = skinny_gemm(x.reshape(rows, self.in_features), self.weight)

@@ -87,8 +87,9 @@ def _qk_norm_rope_kernel(
         cache_row = cache_ptr + slot * kv_heads * HEAD_DIM
         cache_row += h[:, None] * HEAD_DIM + d[None, :]
     if role == 2:
-        v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        tl.store(cache_row + stride_cache, tl.load(v_row, kv_mask), kv_mask)
+        if WITH_CACHE:  # (both branches compile: the role is a runtime value)
+            v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+            tl.store(cache_row + stride_cache, tl.load(v_row, kv_mask), kv_mask)
     else:
         dtype = q_ptr.dtype.element_ty
         pos = tl.load(positions_ptr + t)

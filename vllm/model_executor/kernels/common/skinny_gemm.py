@@ -1,115 +1,81 @@
-"""``x @ weight.T`` for a few rows of ``x`` (decode steps), in Triton.
+"""``x @ weight.T`` for one or two rows of ``x`` and a short weight (a MoE
+router at decode), in Triton.
 
-At decode a dense layer's GEMM streams its weight once for one to a few
-tokens: the time is the weight's bytes over HBM bandwidth, if the whole GPU
-pulls at once. cuBLAS picks tiles made for more rows: on the H200 at one
-token Qwen3-30B-A3B's q/k/v projection (5120 x 2048) reached 2.7 TB/s, its
-router (128 x 2048) ran on 2 thread blocks (4.9 us for 0.5 MB), and its
-output projection took a split-K kernel plus a reduction. Here every
-program streams ``BLOCK_N`` weight rows (over a ``1 / split_k`` slice of K),
-many programs small enough to be resident at once; with ``split_k > 1``
-each slice writes fp32 partials that a second kernel sums in slice order
-(deterministic: no atomics). ``skinny_gemm_reference`` is the oracle.
+At decode a dense layer's GEMM streams its weight once for a token or two:
+the time is the weight's bytes over HBM bandwidth, if enough of the GPU
+pulls at once. For a weight of few rows cuBLAS does not spread the stream:
+on the H200 Qwen3-30B-A3B's router (128 x 2048) ran on two thread blocks,
+5.0 us for 0.5 MB at one token. Here each program streams ``BLOCK_N``
+weight rows as a matrix-vector product on the CUDA cores: 2.7 us. For
+long weights cuBLAS streams as fast or faster (q/k/v 5120 x 2048: 8.5 vs
+8.2 us at this kernel's best tile; the head, 151936 x 2048: 150 vs 146 us),
+so ``skinny_gemm_applies`` admits short weights only.
+``skinny_gemm_reference`` is the oracle.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import arg_error
-from vllm.model_executor.kernels.common.device_info import num_sms
 
-SKINNY_MAX_ROWS = 16
-"""Rows up to which ``skinny_gemm`` applies (one ``tl.dot`` tile of rows)."""
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int = 16
-    block_k: int = 256
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
+SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 8 x 1024 fp32
+SKINNY_MAX_N = 1024  # measured to win at 128 weight rows, to lose from 2048
+_BLOCK_N, _BLOCK_K = 8, 1024
 
 
-@functools.cache  # asked on every call
-def default_skinny_config(n: int, k: int, sms: int) -> SkinnyConfig:
-    """Split K while fewer than two programs per SM would stream (fewer
-    leave bandwidth unused), down to slices of one ``block_k`` step."""
-    config = SkinnyConfig()
-    programs, split = triton.cdiv(n, config.block_n), 1
-    while programs * split < 2 * sms and k // (split * 2) >= config.block_k:
-        split *= 2
-    return SkinnyConfig(split_k=split)
+def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product."""
+    return (
+        0 < rows <= SKINNY_MAX_ROWS
+        and n <= SKINNY_MAX_N
+        and dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
-    out_ptr,  # [M, N], or [SPLIT_K, M, N] fp32 partials
+    out_ptr,  # [M, N]
     M,
     N,
     K,
     stride_xm,
     stride_wn,
-    stride_om,
-    stride_os,  # between partial slices
-    K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    # The interpreter does integer math on bf16 (kept as uint16), tl.dot too
-    F32_MATH: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * K_PER_SPLIT
-    for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+    # Products accumulate per K lane, reduced once at the end (a reduction
+    # per step would shuffle between threads after every load)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
         in_k = (offs_k + k < K)[None, :]
         x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & in_k, other=0.0)
         w = tl.load(w_ptrs + k, mask=(cols < N)[:, None] & in_k, other=0.0)
-        if F32_MATH:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc)
-    out = out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :]
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = out_ptr + rows[:, None] * N + cols[None, :]
     tl.store(
-        out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)
+        out,
+        tl.sum(acc, 2).to(out_ptr.dtype.element_ty),
+        mask=(rows < M)[:, None] & (cols < N),
     )
 
 
-@triton.jit
-def _sum_splits_kernel(
-    partials_ptr,  # [SPLIT_K, M * N] fp32
-    out_ptr,  # [M * N]
-    numel,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(partials_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(partials_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, block_k: int = _BLOCK_K
 ) -> torch.Tensor:
     """``x`` [M <= SKINNY_MAX_ROWS, K] @ ``weight`` [N, K].T in ``x``'s
-    dtype (fp32 accumulation), both 16-bit with unit stride along K."""
+    16-bit dtype (fp32 accumulation), both with unit stride along K;
+    ``block_k`` is the K step (tests take small ones)."""
     if (
         x.dim() != 2
         or x.shape[0] > SKINNY_MAX_ROWS
@@ -134,36 +100,20 @@ def skinny_gemm(
             f"got {weight.dtype} {list(weight.shape)} on {weight.device}",
         )  # fmt: skip
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if not m * n:
-        return out
-    config = config or default_skinny_config(n, k, num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k)
-    k_per_split *= config.block_k
-    split = triton.cdiv(k, k_per_split)
-    target = out if split == 1 else x.new_empty(split, m, n, dtype=torch.float32)
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split)](
-        x,
-        weight,
-        target,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        n,
-        m * n,
-        K_PER_SPLIT=k_per_split,
-        BLOCK_M=SKINNY_MAX_ROWS,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        F32_MATH=not x.is_cuda,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            target, out, m * n, SPLIT_K=split, BLOCK=block
+    if m * n:
+        _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
+            x,
+            weight,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=_BLOCK_N,
+            BLOCK_K=block_k,
+            num_warps=4,
         )
     return out
 
