@@ -7,7 +7,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinear
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 64])
-@pytest.mark.parametrize("out_features", [80, 2048])  # skinny, cuBLAS at 1-2 rows
+@pytest.mark.parametrize("out_features", [80, 4096])  # skinny, cuBLAS at 1-2 rows
 def test_matches_nn_linear(device, rows, out_features):
     torch.manual_seed(rows)
     layer = UnquantizedLinear(256, out_features, dtype=torch.bfloat16, device=device)

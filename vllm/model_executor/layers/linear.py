@@ -15,7 +15,8 @@ from vllm.model_executor.kernels.common.skinny_gemm import (
 class UnquantizedLinear(nn.Linear):
     """A bias-free ``nn.Linear`` (frozen weight); on a GPU the products that
     ``skinny_gemm`` wins (a token or two through a short weight: a MoE
-    router at decode) run there, the others are ``nn.Linear``'s."""
+    router or an output projection at decode) run there, the others are
+    ``nn.Linear``'s."""
 
     def __init__(
         self,

@@ -1,15 +1,18 @@
-"""``x @ weight.T`` for one or two rows of ``x`` and a short weight (a MoE
-router at decode), in Triton.
+"""``x @ weight.T`` for one or two rows of ``x`` and a weight of at most
+2048 rows (a MoE router or an attention output projection at decode), in
+Triton.
 
 At decode a dense layer's GEMM streams its weight once for a token or two:
 the time is the weight's bytes over HBM bandwidth, if enough of the GPU
-pulls at once. For a weight of few rows cuBLAS does not spread the stream:
-on the H200 Qwen3-30B-A3B's router (128 x 2048) ran on two thread blocks,
-5.0 us for 0.5 MB at one token. Here each program streams ``BLOCK_N``
-weight rows as a matrix-vector product on the CUDA cores: 2.7 us. For
-long weights cuBLAS streams as fast or faster (q/k/v 5120 x 2048: 8.5 vs
-8.2 us at this kernel's best tile; the head, 151936 x 2048: 150 vs 146 us),
-so ``skinny_gemm_applies`` admits short weights only.
+pulls at once. cuBLAS does not spread short weights: on the H200 (one
+token, CUDA-graph replay) Qwen3-30B-A3B's router (128 x 2048) ran on two
+thread blocks, 4.9 us for 0.5 MB, and its output projection (2048 x 4096)
+took a split-K kernel plus a reduction, 9.4 us. Here each program streams
+``BLOCK_N`` weight rows as a matrix-vector product on the CUDA cores:
+2.6 and 7.7 us. For longer weights cuBLAS streams as fast or faster (q/k/v,
+5120 x 2048: 8.1 vs 8.6 us; the head, 151936 x 2048: 149 vs 161 us), and a
+``tl.dot`` version of this kernel (rows padded to 16) lost everywhere, so
+``skinny_gemm_applies`` admits short weights only.
 ``skinny_gemm_reference`` is the oracle.
 """
 
@@ -22,7 +25,7 @@ import triton.language as tl
 from vllm.model_executor.kernels.common.checks import arg_error
 
 SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 8 x 1024 fp32
-SKINNY_MAX_N = 1024  # measured to win at 128 weight rows, to lose from 2048
+SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
 _BLOCK_N, _BLOCK_K = 8, 1024
 
 
