@@ -27,6 +27,8 @@ from vllm import LLM, SamplingParams
 from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
 from vllm.benchmarks.utils import write_results
 from vllm.transformers_utils.config import load_hf_config
+from vllm.v1.engine.core_client import LoopTimes
+from vllm.v1.request import Request
 from vllm.v1.worker.workspace import current_workspace_manager
 
 
@@ -63,12 +65,30 @@ def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[: min(len(prompts), 4)], params)  # warm-up
     device = llm.engine.device
+    engine, times = llm.engine, LoopTimes()
+    step = engine.step
+
+    def timed_step() -> list[Request]:  # the server's engine-loop accounting
+        start = time.monotonic()
+        finished = step()
+        times.add_step(engine.last_step, time.monotonic() - start)
+        return finished
+
+    engine.step = timed_step  # type: ignore[method-assign]
     _synchronize(device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     _synchronize(device)
     seconds = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
+    mixed = times.steps - times.decode_steps
+    print(
+        f"engine steps: {times.steps} at {times.step_s * 1e3 / times.steps:.1f} ms "
+        f"({times.decode_steps} decode-only at "
+        f"{times.decode_s * 1e3 / max(times.decode_steps, 1):.1f} ms, {mixed} "
+        f"mixed at {(times.step_s - times.decode_s) * 1e3 / max(mixed, 1):.1f} ms); "
+        f"{times.tokens / times.steps:.0f} tokens/step"
+    )
     report = current_workspace_manager().memory_report()
     kv_bytes = llm.engine.pool.num_blocks * llm.engine.runner.kv_block_bytes()
     print(

@@ -200,3 +200,8 @@ def test_the_busy_engine_loop_reports_where_its_time_went(llm, monkeypatch, capl
     lines = [r.getMessage() for r in caplog.records if "engine loop:" in r.message]
     assert lines and all("1 steps in" in line for line in lines)
     assert "step " in lines[0] and "events out " in lines[0]
+    # the prompt's step, then decode-only ones
+    prompt = [x for x in lines if "0 decode-only" in x]
+    assert prompt and all("3 tokens/step" in x for x in prompt)
+    decode = [x for x in lines if "1 decode-only" in x]
+    assert len(decode) >= 2 and all("1 tokens/step" in x for x in decode)

@@ -22,6 +22,22 @@ def test_greedy_is_the_argmax_with_logprobs():
         assert list(token.top_logprobs) == row.topk(2).indices.tolist()
 
 
+def test_logprobs_only_for_the_rows_that_ask():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 30)
+    asks = [None, 0, 3, None]  # 0: the sampled token's logprob only
+    params = [SamplingParams(temperature=0, logprobs=n) for n in asks]
+    out = sample(logits, params, [None] * 4)
+    reference = torch.log_softmax(logits, dim=-1)
+    for n, row, token in zip(asks, reference, out, strict=True):
+        assert token.token_id == int(row.argmax())
+        if n is None:
+            assert token.logprob != token.logprob and not token.top_logprobs  # NaN
+        else:
+            assert token.logprob == pytest.approx(float(row.max()))
+            assert list(token.top_logprobs) == row.topk(n).indices.tolist()
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     torch.manual_seed(1)
     logits = torch.randn(2, 100)

@@ -108,6 +108,19 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """What one step computed: decode-only when every request took one
+    token (the steps that replay a CUDA graph)."""
+
+    tokens: int
+    requests: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.tokens == self.requests > 0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
@@ -212,6 +225,7 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_decode_graphs()
         self.scheduler = Scheduler(scheduler_config, self.pool)
+        self.last_step = StepShape(0, 0)
 
     # -- requests ------------------------------------------------------------
 
@@ -267,6 +281,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
         chunks = self.scheduler.schedule()
+        self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
         if not chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler: requests wait but none can run")

@@ -41,7 +41,7 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats
+from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats, StepShape
 from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -181,15 +181,27 @@ class Inbox:
 
 @dataclass
 class LoopTimes:
-    """Where the engine loop's time went since the last report: steps, the
-    events out (building and sending: a frontend that falls behind shows
-    here, its pipe full), and waiting for commands."""
+    """Where the engine loop's time went since the last report: steps (and
+    of them the decode-only ones, which replay CUDA graphs, and the tokens
+    computed), the events out (building and sending: a frontend that falls
+    behind shows here, its pipe full), and waiting for commands."""
 
     steps: int = 0
     step_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    tokens: int = 0
     emit_s: float = 0.0
     wait_s: float = 0.0
     since: float = field(default_factory=time.monotonic)
+
+    def add_step(self, shape: StepShape, seconds: float) -> None:
+        self.steps += 1
+        self.step_s += seconds
+        self.tokens += shape.tokens
+        if shape.decode_only:
+            self.decode_steps += 1
+            self.decode_s += seconds
 
     def report_due(self, now: float) -> bool:
         return now - self.since >= LOG_INTERVAL_S
@@ -197,11 +209,14 @@ class LoopTimes:
     def log(self, stats: SchedulerStats, now: float) -> None:
         per_step = 1e3 / max(self.steps, 1)
         logger.info(
-            "engine loop: %d steps in %.1f s (step %.1f ms, events out %.1f ms, "
-            "waiting %.1f s); %d running, %d waiting, KV cache %.0f%% used",
+            "engine loop: %d steps in %.1f s (step %.1f ms, %d decode-only at "
+            "%.1f ms, %.0f tokens/step; events out %.1f ms, waiting %.1f s); "
+            "%d running, %d waiting, KV cache %.0f%% used",
             self.steps, now - self.since, self.step_s * per_step,
-            self.emit_s * per_step, self.wait_s, stats.num_running_reqs,
-            stats.num_waiting_reqs, 100 * stats.kv_cache_usage,
+            self.decode_steps, self.decode_s * 1e3 / max(self.decode_steps, 1),
+            self.tokens / max(self.steps, 1), self.emit_s * per_step, self.wait_s,
+            stats.num_running_reqs, stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage,
         )  # fmt: skip
 
 
@@ -243,12 +258,11 @@ def _loop(core: EngineCoreLoop, inbox: Inbox, emit: Callable[[Event], None]) -> 
         start = time.monotonic()
         if core.has_work():
             core.engine.step()
-            times.steps += 1
+            times.add_step(core.engine.last_step, time.monotonic() - start)
         stepped = time.monotonic()
         outputs = core.outputs()
         emit(outputs)
         now = time.monotonic()
-        times.step_s += stepped - start
         times.emit_s += now - stepped
         if times.report_due(now):
             if times.steps:

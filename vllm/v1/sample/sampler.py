@@ -20,7 +20,7 @@ from vllm.sampling_params import SamplingParams
 @dataclass
 class SampledToken:
     token_id: int
-    logprob: float  # of the sampled token
+    logprob: float  # of the sampled token; NaN unless the request asked
     top_logprobs: dict[int, float]  # the ``logprobs`` most likely, if asked
 
 
@@ -68,7 +68,6 @@ def sample(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
             f"got {len(params)}/{len(generators)}"
         )
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     tokens = logits.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
@@ -81,14 +80,22 @@ def sample(
             if generators[i] is not None:
                 race[row].exponential_(generator=generators[i])
         tokens[random] = (probs / race).argmax(dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    out: list[SampledToken] = []
-    # One host copy for the batch (a GPU sync per row would stall each step).
-    rows = zip(params, tokens.tolist(), chosen.tolist(), strict=True)
-    for i, (p, token, logprob) in enumerate(rows):
-        top: dict[int, float] = {}
-        if p.logprobs:
-            values, ids = logprobs[i].topk(p.logprobs)
-            top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-        out.append(SampledToken(token, logprob, top))
-    return out
+    # Log-probabilities only for the rows that asked (a full-vocabulary
+    # log_softmax per row and a second host copy otherwise).
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    chosen = [float("nan")] * len(params)
+    top: dict[int, dict[int, float]] = {}
+    if asked:
+        logprobs = torch.log_softmax(logits[asked].float(), dim=-1)
+        picked = logprobs.gather(1, tokens[asked, None]).squeeze(1).tolist()
+        for row, (i, logprob) in enumerate(zip(asked, picked, strict=True)):
+            chosen[i] = logprob
+            if num_top := params[i].logprobs:
+                values, ids = logprobs[row].topk(num_top)
+                top[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    # One host copy of the tokens for the batch (a GPU sync per row would
+    # stall each step).
+    return [
+        SampledToken(token, chosen[i], top.get(i, {}))
+        for i, token in enumerate(tokens.tolist())
+    ]
