@@ -23,6 +23,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm.forward_context import set_forward_context
@@ -177,20 +178,22 @@ class GPUModelRunner:
         num_seqs = len(chunks)
         num_tokens = self._fill_inputs(chunks, pool)
         # Rows of the chunks that sample, from the host (a device mask would
-        # sync before the replay).
+        # sync before the replay); all of a decode step's rows sample.
         ends, end = [], 0
         for chunk in chunks:
             end += chunk.end - chunk.start
             if chunk.samples:
                 ends.append(end - 1)
-        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
         decode = num_tokens == num_seqs
         size = min((s for s in self.graphs if s >= num_seqs), default=None)
         if decode and size is not None:
-            self._fill_decode_padding(num_seqs, size)
+            if size > num_seqs:
+                self._fill_decode_padding(num_seqs, size)
             entry = self.graphs[size]
             entry.graph.replay()
-            return entry.logits[rows]
+            if len(ends) == num_seqs:  # a slice: no index copy, no kernel
+                return entry.logits[:num_seqs]
+            return entry.logits[self._rows(ends)]
         meta = self._metadata(
             num_seqs, num_tokens, max(c.end - c.start for c in chunks)
         )
@@ -198,34 +201,42 @@ class GPUModelRunner:
             hidden = self.model(
                 self.input_ids[:num_tokens], self.positions[:num_tokens]
             )
-            return self.model.compute_logits(hidden[rows])
+            return self.model.compute_logits(hidden[self._rows(ends)])
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _fill_inputs(self, chunks: list[ScheduledChunk], pool: BlockPool) -> int:
-        """Write the step into the persistent buffers; returns its tokens."""
+        """Write the step into the persistent buffers; returns its tokens.
+        The index math is numpy's (a few hundred values: torch's CPU
+        dispatch per op would cost more than the work)."""
+        n = len(chunks)
         ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
-        query_lens = torch.tensor([c.end - c.start for c in chunks])
-        starts = torch.tensor([c.start for c in chunks])
+        num_tokens = len(ids)
+        starts = np.fromiter((c.start for c in chunks), np.int64, n)
+        query_lens = np.fromiter((c.end - c.start for c in chunks), np.int64, n)
         tables = [pool.block_table(c.request.request_id) for c in chunks]
-        width = max(map(len, tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        table = np.zeros((n, max(map(len, tables))), np.int32)
+        for row, blocks in zip(table, tables, strict=True):
+            row[: len(blocks)] = blocks
         # Per token: its request, its position, its cache slot.
-        query_start = torch.cat(
-            [torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]
-        )
-        request = torch.repeat_interleave(torch.arange(len(chunks)), query_lens)
-        positions = starts[request] + torch.arange(len(ids)) - query_start[request]
-        slots = table[request, positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
-        n, num_tokens = len(chunks), len(ids)
+        query_start = np.zeros(n + 1, np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        request = np.repeat(np.arange(n), query_lens)
+        positions = starts[request] + np.arange(num_tokens) - query_start[request]
+        slots = table[request, positions // self.block_size].astype(np.int64)
+        slots = slots * self.block_size + positions % self.block_size
         # non_blocking: no stream sync per copy; the driver stages pageable
-        # host memory before the call returns, so the host tensors may go.
-        self.input_ids[:num_tokens].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:num_tokens].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
-        self.query_start_loc[: n + 1].copy_(query_start, non_blocking=True)
-        self.seq_lens[:n].copy_(starts + query_lens, non_blocking=True)
-        self.block_table[:n, :width].copy_(table, non_blocking=True)
+        # host memory before the call returns, so the host arrays may go.
+        for buffer, values in (
+            (self.input_ids[:num_tokens], np.asarray(ids, np.int64)),
+            (self.positions[:num_tokens], positions),
+            (self.slot_mapping[:num_tokens], slots),
+            (self.query_start_loc[: n + 1], query_start.astype(np.int32)),
+            (self.seq_lens[:n], (starts + query_lens).astype(np.int32)),
+            (self.block_table[:n, : table.shape[1]], table),
+        ):
+            buffer.copy_(torch.from_numpy(values), non_blocking=True)
         return num_tokens
 
     def _fill_decode_padding(self, start: int, size: int) -> None:
