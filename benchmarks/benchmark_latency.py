@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
@@ -92,6 +93,7 @@ def main() -> None:
             dtype=args.dtype,
             device=str(device),
             quantization=args.quantization,
+            async_scheduling=args.async_scheduling,
             max_model_len=args.input_len + args.output_len,
             max_num_seqs=args.batch_size,
             max_num_batched_tokens=max(args.batch_size * args.input_len, 256),

@@ -50,6 +50,7 @@ def num_requests(args: argparse.Namespace, concurrency: int) -> int:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--dtype", args.dtype]
+    flags += ["--async-scheduling"] if args.async_scheduling else []
     return flags + (["--quantization", args.quantization] if args.quantization else [])
 
 
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=Path("out/serving_sweep"))
     parser.add_argument("--no-plot", action="store_true")

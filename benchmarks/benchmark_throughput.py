@@ -57,6 +57,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
         load_format="auto" if args.model else "dummy",
         dtype=args.dtype,
         quantization=args.quantization,
+        async_scheduling=args.async_scheduling,
         max_model_len=args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")

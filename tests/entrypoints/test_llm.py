@@ -10,9 +10,14 @@ from vllm.v1.worker.workspace import reset_workspace_manager
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    hf = build_tiny_checkpoint(path)
+    return path, build_tiny_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    path, hf = checkpoint
     reset_workspace_manager()
     engine = LLM(path, dtype="float32", device="cpu", max_model_len=96)
     yield engine, hf
@@ -92,3 +97,39 @@ def test_a_second_engine_in_the_process_warms_up_and_both_serve(llm, tmp_path):
     assert not second.engine.has_unfinished_requests()  # prompts[0] withdrawn
     assert len(second.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
     assert len(first.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 3
+
+
+def test_async_scheduling_generates_the_same(llm, checkpoint):
+    """Seeded sampling, log-probabilities and stop strings (seen on the
+    text one step late) come out as the synchronous engine's."""
+    first, _ = llm
+    overlapped = LLM(
+        checkpoint[0], dtype="float32", device="cpu", max_model_len=96,
+        async_scheduling=True,
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    (full,) = first.generate("def f(x):", greedy)
+    text = full.outputs[0].text
+    stop = text[len(text) // 2 :][:2]
+    params = [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=10, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+        greedy,
+    ]
+    prompts = ["x = 1", "def f(x):", "import os"]
+    for want, got in zip(
+        first.generate(prompts, params),
+        overlapped.generate(prompts, params),
+        strict=True,
+    ):
+        a, b = want.outputs[0], got.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+        )
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert list(x) == list(y)  # fp32 sums of other batch shapes
+            assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-5)
+    assert not overlapped.engine.has_unfinished_requests()

@@ -28,7 +28,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose keys and values are cached
+    num_computed_tokens: int = 0  # tokens whose keys and values are (being) cached
+    # Tokens sampled by scheduled steps and not yet appended: the step in
+    # flight's (with async scheduling, also the one before, still on the
+    # device when the next step is scheduled).
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
@@ -48,11 +52,34 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
+        """Tokens on the host: the prompt and the appended outputs."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """The sequence's length, the pending tokens included."""
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def max_tokens_scheduled(self) -> bool:
+        """Whether its outputs and pending tokens make ``max_tokens``: it
+        finishes with those, and needs no further step."""
+        scheduled = len(self.output_token_ids) + self.num_pending_tokens
+        return scheduled >= self.sampling_params.max_tokens
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
+
+    def resolve_token(
+        self, token_id: int, logprob: float, top: dict[int, float]
+    ) -> None:
+        """The oldest pending token, now on the host: appended, unless the
+        request finished meanwhile (an abort, a stop: the step that sampled
+        it computed past the end, and its token is dropped)."""
+        self.num_pending_tokens -= 1
+        if self.status is not RequestStatus.FINISHED:
+            self.append_token(token_id, logprob, top)
 
     def append_token(
         self, token_id: int, logprob: float, top: dict[int, float]

@@ -18,7 +18,7 @@ def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
     chunks = scheduler.schedule()
     for c in chunks:
         if c.samples:
-            c.request.append_token(7, 0.0, {})
+            c.request.resolve_token(7, 0.0, {})
     scheduler.finish_step(chunks)
     return [(c.request.request_id, c.start, c.end) for c in chunks]
 
@@ -62,6 +62,33 @@ def test_abort_mid_prefill_and_while_waiting_frees_blocks():
     scheduler.finish_request("queued")
     assert pool.num_free_blocks == 8 and not scheduler.has_unfinished()
     assert step(scheduler) == []
+
+
+def test_a_step_scheduled_before_the_last_one_resolves():
+    """Async scheduling: step 2 is scheduled while step 1's samples are
+    pending; a request whose pending tokens reach max_tokens is not."""
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), BlockPool(16, 4))
+    a, b = request("a", 5, max_tokens=3), request("b", 2, max_tokens=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.end, c.samples) for c in first] == [
+        ("a", 0, 5, True),
+        ("b", 0, 2, True),
+    ]
+    assert a.num_pending_tokens == b.num_pending_tokens == 1
+    # a decodes its pending token; b's pending token is its last: not run
+    second = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in second] == [("a", 5, 6)]
+    assert (a.num_pending_tokens, a.num_tokens, a.num_known_tokens) == (2, 7, 5)
+    for c, token in zip(first, (11, 12), strict=True):
+        c.request.resolve_token(token, 0.0, {})
+    assert scheduler.finish_step(first) == [b]  # b: length
+    assert a.output_token_ids == [11] and b.output_token_ids == [12]
+    a.finish("stop")  # step 2's token comes after the end: dropped
+    second[0].request.resolve_token(13, 0.0, {})
+    assert a.output_token_ids == [11] and a.num_pending_tokens == 0
+    assert scheduler.finish_step(second) == [a] and not scheduler.has_unfinished()
 
 
 @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])

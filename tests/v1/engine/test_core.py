@@ -87,6 +87,55 @@ def test_batching_chunking_and_preemption_change_no_token(engine_factory):
     assert all(r.finish_reason == "length" for r in tiny.values())
 
 
+def test_async_scheduling_changes_no_token(engine_factory):
+    """Steps scheduled while the one before is on the device (its samples
+    fed to the next step on the device): the tokens of the synchronous
+    engine, with batching, chunked prefill, preemption, stop tokens found
+    one step late and an abort with a step in flight."""
+    reference = outputs(run(engine_factory(max_num_batched_tokens=64), list(range(16))))
+    for kwargs in (
+        {"max_num_batched_tokens": 64},
+        {"max_num_batched_tokens": 8},
+        {"max_num_batched_tokens": 32, "num_kv_blocks": 6},
+    ):
+        engine = engine_factory(async_scheduling=True, **kwargs)
+        requests = run(engine, list(range(16)))
+        assert outputs(requests) == reference, kwargs
+        assert all(r.num_pending_tokens == 0 for r in requests.values())
+    assert sum(r.num_preemptions for r in requests.values()) > 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    # a stop token: the step after it was already launched, its token dropped
+    longest = max(range(16), key=lambda i: MAX_TOKENS[i])
+    stop = reference[longest][2]
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop])
+    stopped = Request("stop", PROMPTS[longest], params)
+    engine.add_request(stopped)
+    while engine.has_unfinished_requests():
+        engine.step()
+    first = reference[longest].index(stop)
+    assert stopped.output_token_ids == reference[longest][: first + 1]
+    assert stopped.finish_reason == "stop"
+    # an abort while its next token is in flight frees its blocks at once
+    aborted = Request("abort", PROMPTS[0], SamplingParams(max_tokens=10))
+    engine.add_request(aborted)
+    engine.step()
+    engine.step()
+    engine.finish_request("abort")
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.step()  # resolves the step in flight: nothing appended
+    assert len(aborted.output_token_ids) == 1 and not engine.has_unfinished_requests()
+
+
+def test_async_scheduling_refuses_data_parallel(checkpoint):
+    with pytest.raises(ValueError, match="async_scheduling: not supported"):
+        EngineConfig(
+            checkpoint,
+            async_scheduling=True,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+        )
+
+
 def test_after_the_lock_nothing_grows(engine_factory):
     engine = engine_factory(max_num_batched_tokens=48)
     manager = current_workspace_manager()

@@ -67,9 +67,9 @@ def test_step_inputs_match_the_pool(checkpoint):
         engine.step()
         pool, runner = engine.pool, engine.runner
         chunks = [
-            ScheduledChunk(requests[0], 2, 5),
-            ScheduledChunk(requests[2], 0, 17),
-            ScheduledChunk(requests[1], 10, 11),
+            ScheduledChunk(requests[0], 2, 5, samples=False),
+            ScheduledChunk(requests[2], 0, 17, samples=False),
+            ScheduledChunk(requests[1], 10, 11, samples=False),
         ]
         num_tokens = runner._fill_inputs(chunks, pool)
         ref = PagedAttentionMetadata.build(
@@ -112,7 +112,7 @@ def test_graph_decode_equals_eager_decode(checkpoint):
             torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)
             assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
             for chunk, token in zip(chunks, graphed.argmax(-1).tolist(), strict=True):
-                chunk.request.append_token(token, 0.0, {})
+                chunk.request.resolve_token(token, 0.0, {})
             engine.scheduler.finish_step(chunks)
         assert all(len(r.output_token_ids) == 11 for r in requests)
         assert manager.memory_report().total_bytes == before

@@ -105,6 +105,13 @@ def add_serve_parser(
         help="Run every step eagerly, no CUDA graphs (default: off).",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="Schedule and fill the next step while the GPU runs the current "
+        "one; a request that stops computes one token past its end "
+        "(default: off).",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,

@@ -34,17 +34,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Positions ``start:end`` of ``request``'s tokens computed this step."""
+    """Positions ``start:end`` of ``request``'s tokens computed this step;
+    ``samples``: the chunk reaches the end of the sequence (its last
+    token's logits give the next token)."""
 
     request: Request
     start: int
     end: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk reaches the end of the sequence (its last
-        token's logits give the next token)."""
-        return self.end == self.request.num_tokens
+    samples: bool
 
 
 class Scheduler:
@@ -85,7 +82,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: set[str] = set()  # this step, by an older request
         for request in list(self.running):
-            if request.request_id in preempted or budget == 0:
+            if (
+                request.request_id in preempted
+                or budget == 0
+                or request.max_tokens_scheduled  # (only with tokens pending)
+            ):
                 continue
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget)
@@ -96,7 +97,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(ScheduledChunk(request, start, end))
+                chunks.append(self._scheduled(request, start, end))
                 budget -= end - start
         while (
             self.waiting
@@ -105,6 +106,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted with a step in flight
+                break
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget)
             if self.pool.allocate(request.request_id, end) is None:
@@ -112,18 +115,25 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, start, end))
+            chunks.append(self._scheduled(request, start, end))
             budget -= end - start
         return chunks
 
+    @staticmethod
+    def _scheduled(request: Request, start: int, end: int) -> ScheduledChunk:
+        """The chunk, counted as computed (and its sample as pending) from
+        now: the next schedule may come before the step's results do."""
+        samples = end == request.num_tokens
+        request.num_computed_tokens = end
+        request.num_pending_tokens += samples
+        return ScheduledChunk(request, start, end, samples)
+
     def finish_step(self, chunks: list[ScheduledChunk]) -> list[Request]:
-        """After the model ran ``chunks`` (and sampled for those that
-        sample): record what is cached, and retire finished requests, whose
-        blocks are freed at once; returns them."""
+        """After ``chunks``' sampled tokens are resolved: retire finished
+        requests, whose blocks are freed at once; returns them."""
         finished = []
         for chunk in chunks:
             request = chunk.request
-            request.num_computed_tokens = chunk.end
             if request.status is RequestStatus.FINISHED and request in self.running:
                 self.running.remove(request)
                 self.pool.free(request.request_id)

@@ -43,9 +43,9 @@ from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.transformers_utils.config import load_hf_config
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.scheduler import Scheduler, SchedulerConfig
+from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
-from vllm.v1.sample.sampler import sample
+from vllm.v1.sample.sampler import SampledBatch, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -78,6 +78,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # shard the experts over the ranks
     all2all_backend: str = "allgather_reducescatter"  # the ranks' token exchange
     distributed_timeout_s: float = 600.0  # bound on every collective of the ranks
+    # schedule and fill step N + 1 while the GPU runs step N (one data-parallel
+    # rank only; a request that stops computes one token past its end)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -96,6 +99,11 @@ class EngineConfig:
                 f"experts; replicated experts are not supported)"
             )
         check_all2all_backend(self.all2all_backend)
+        if self.async_scheduling and self.data_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling: not supported with data_parallel_size > 1 "
+                "(the ranks step in lockstep)"
+            )
         if self.distributed_timeout_s <= 0:
             raise ValueError(
                 f"distributed_timeout_s: expected > 0, got {self.distributed_timeout_s}"
@@ -105,6 +113,15 @@ class EngineConfig:
     def expert_parallel(self) -> bool:
         """The experts are sharded over more than one rank."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step on the device: its chunks, those that sample, their tokens."""
+
+    chunks: list[ScheduledChunk]
+    sampling: list[ScheduledChunk]
+    sampled: SampledBatch
 
 
 @dataclass(frozen=True)
@@ -226,6 +243,7 @@ class EngineCore:
         self.runner.capture_decode_graphs()
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.last_step = StepShape(0, 0)
+        self._in_flight: _Launched | None = None
 
     # -- requests ------------------------------------------------------------
 
@@ -274,31 +292,52 @@ class EngineCore:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the step ------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it. With
+        ``async_scheduling`` the step is launched and the one before it
+        resolved: the host schedules and fills step N + 1 while the GPU
+        still runs step N, and the requests returned finished in step N."""
         chunks = self.scheduler.schedule()
         self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
-        if not chunks:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler: requests wait but none can run")
-            return []
+        launched = self._launch(chunks) if chunks else None
+        if not self.config.async_scheduling:
+            return self._resolve(launched) if launched else self._stalled()
+        previous, self._in_flight = self._in_flight, launched
+        return self._resolve(previous) if previous else self._stalled()
+
+    def _stalled(self) -> list[Request]:
+        """Nothing resolved this step: an error if requests wait while no
+        step runs (none can ever be scheduled)."""
+        if self.scheduler.has_unfinished() and self._in_flight is None:
+            raise RuntimeError("scheduler: requests wait but none can run")
+        return []
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         sampling = [c for c in chunks if c.samples]
         with self.runner.on_stream():  # the step's logits are read there
             logits = self.runner.execute(chunks, self.pool)
-            tokens = sample(
+            sampled = sample_async(
                 logits,
                 [c.request.sampling_params for c in sampling],
                 [c.request.generator for c in sampling],
             )
-        for chunk, token in zip(sampling, tokens, strict=True):
-            chunk.request.append_token(
+        self.runner.remember_sampled(
+            sampled.device_tokens, [c.request.request_id for c in sampling]
+        )
+        return _Launched(chunks, sampling, sampled)
+
+    def _resolve(self, launched: _Launched) -> list[Request]:
+        """The launched step's tokens appended; its finished requests."""
+        tokens = launched.sampled.tolist()
+        for chunk, token in zip(launched.sampling, tokens, strict=True):
+            chunk.request.resolve_token(
                 token.token_id, token.logprob, token.top_logprobs
             )
-        return self.scheduler.finish_step(chunks)
+        return self.scheduler.finish_step(launched.chunks)
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:

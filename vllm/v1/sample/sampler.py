@@ -56,13 +56,66 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs / probs.sum(-1, keepdim=True)
 
 
-def sample(
+class SampledBatch:
+    """A batch's sampled tokens (``device_tokens`` [R], on the logits'
+    device) on their way to the host: the copies start when it is made, on
+    the current stream; :meth:`tolist` waits for them alone, not for work
+    queued after them (the next step)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        params: list[SamplingParams],
+        logprobs: torch.Tensor | None,
+    ) -> None:
+        self.device_tokens = tokens
+        # Log-probabilities only for the rows that asked (a full-vocabulary
+        # log_softmax per row and more host copies otherwise).
+        self._asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self._num_top = [params[i].logprobs or 0 for i in self._asked]
+        copies = [tokens]
+        if logprobs is not None:
+            chosen = logprobs.gather(1, tokens[self._asked, None]).squeeze(1)
+            values, ids = logprobs.topk(max(self._num_top), dim=-1)
+            copies += [chosen, values, ids]
+        self._event = torch.cuda.Event() if tokens.is_cuda else None
+        self._host = [self._to_host(t) for t in copies]
+        if self._event is not None:
+            self._event.record()
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    def tolist(self) -> list[SampledToken]:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host[0].tolist()
+        chosen = [float("nan")] * len(tokens)
+        top: dict[int, dict[int, float]] = {}
+        if len(self._host) > 1:
+            picked, values, ids = (t.tolist() for t in self._host[1:])
+            for row, i in enumerate(self._asked):
+                chosen[i], k = picked[row], self._num_top[row]
+                if k:
+                    top[i] = dict(zip(ids[row][:k], values[row][:k], strict=True))
+        return [
+            SampledToken(token, chosen[i], top.get(i, {}))
+            for i, token in enumerate(tokens)
+        ]
+
+
+def sample_async(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[SampledToken]:
-    """One token per row of ``logits`` [R, V]; ``generators[i]`` draws row
-    i's randomness (None: the global generator)."""
+) -> SampledBatch:
+    """One token per row of ``logits`` [R, V], left on the device with its
+    host copy under way; ``generators[i]`` draws row i's randomness (None:
+    the global generator)."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
@@ -80,22 +133,16 @@ def sample(
             if generators[i] is not None:
                 race[row].exponential_(generator=generators[i])
         tokens[random] = (probs / race).argmax(dim=-1)
-    # Log-probabilities only for the rows that asked (a full-vocabulary
-    # log_softmax per row and a second host copy otherwise).
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-    chosen = [float("nan")] * len(params)
-    top: dict[int, dict[int, float]] = {}
-    if asked:
-        logprobs = torch.log_softmax(logits[asked].float(), dim=-1)
-        picked = logprobs.gather(1, tokens[asked, None]).squeeze(1).tolist()
-        for row, (i, logprob) in enumerate(zip(asked, picked, strict=True)):
-            chosen[i] = logprob
-            if num_top := params[i].logprobs:
-                values, ids = logprobs[row].topk(num_top)
-                top[i] = dict(zip(ids.tolist(), values.tolist(), strict=True))
-    # One host copy of the tokens for the batch (a GPU sync per row would
-    # stall each step).
-    return [
-        SampledToken(token, chosen[i], top.get(i, {}))
-        for i, token in enumerate(tokens.tolist())
-    ]
+    logprobs = torch.log_softmax(logits[asked].float(), dim=-1) if asked else None
+    return SampledBatch(tokens, params, logprobs)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[SampledToken]:
+    """:func:`sample_async`, waited for: one host copy of the tokens for the
+    batch (a GPU sync per row would stall each step)."""
+    return sample_async(logits, params, generators).tolist()

@@ -85,6 +85,8 @@ class GPUModelRunner:
             )
         self.null_block = -1  # set with the KV cache
         self.graphs: dict[int, _DecodeGraph] = {}
+        self._last_tokens: torch.Tensor | None = None  # remember_sampled
+        self._last_rows: dict[str, int] = {}
 
     def on_stream(self) -> AbstractContextManager[object]:
         return (
@@ -211,7 +213,14 @@ class GPUModelRunner:
         The index math is numpy's (a few hundred values: torch's CPU
         dispatch per op would cost more than the work)."""
         n = len(chunks)
-        ids = [t for c in chunks for t in c.request.token_ids(c.start, c.end)]
+        ids: list[int] = []
+        pending: list[tuple[int, int]] = []  # (token index, row of last step)
+        for c in chunks:
+            known = c.request.num_known_tokens
+            ids += c.request.token_ids(c.start, min(c.end, known))
+            if c.end > known:  # the last step's sample, still on the device
+                pending.append((len(ids), self._last_rows[c.request.request_id]))
+                ids.append(0)
         num_tokens = len(ids)
         starts = np.fromiter((c.start for c in chunks), np.int64, n)
         query_lens = np.fromiter((c.end - c.start for c in chunks), np.int64, n)
@@ -237,7 +246,26 @@ class GPUModelRunner:
             (self.block_table[:n, : table.shape[1]], table),
         ):
             buffer.copy_(torch.from_numpy(values), non_blocking=True)
+        if pending:
+            self._fill_pending(pending)
         return num_tokens
+
+    def _fill_pending(self, pending: list[tuple[int, int]]) -> None:
+        """Input tokens that the last step sampled, copied on the device."""
+        assert self._last_tokens is not None
+        if all(dst == src == i for i, (dst, src) in enumerate(pending)):
+            # steady decode: the same requests, in the same order
+            self.input_ids[: len(pending)].copy_(self._last_tokens[: len(pending)])
+            return
+        dst, src = torch.tensor(pending, device=self.device).unbind(1)
+        self.input_ids.index_copy_(0, dst, self._last_tokens[src])
+
+    def remember_sampled(self, tokens: torch.Tensor, request_ids: list[str]) -> None:
+        """The step's sampled ``tokens`` [R] (device) of ``request_ids``:
+        with async scheduling the next step's inputs, before the host has
+        them."""
+        self._last_tokens = tokens
+        self._last_rows = {r: i for i, r in enumerate(request_ids)}
 
     def _fill_decode_padding(self, start: int, size: int) -> None:
         """Rows ``start:size`` of a decode batch: one token each at position
