@@ -79,7 +79,9 @@ def bench(layer: str, rows: int, copy_gbps: float) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--layers", nargs="+", choices=sorted(SHAPES), default=SHAPES)
+    parser.add_argument(
+        "--layers", nargs="+", choices=sorted(SHAPES), default=list(SHAPES)
+    )
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps(torch.device("cuda"))

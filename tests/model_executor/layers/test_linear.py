@@ -1,14 +1,32 @@
-"""``UnquantizedLinear``: ``nn.Linear``'s results at every row count."""
+"""``UnquantizedLinear``: ``nn.Linear``'s results at every row count, with
+``skinny_gemm`` where it was measured to win."""
 
 import pytest
 import torch
 
+from vllm.model_executor.layers import linear
 from vllm.model_executor.layers.linear import UnquantizedLinear
+
+
+@pytest.fixture
+def skinny_calls(monkeypatch):
+    """The layer's GPU dispatch on any device (on CPU the Triton kernel runs
+    under the interpreter); counts the ``skinny_gemm`` calls."""
+    calls: list[int] = []
+    real = linear.skinny_gemm
+
+    def counted(x, weight):
+        calls.append(x.shape[0])
+        return real(x, weight)
+
+    monkeypatch.setattr(linear, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(linear, "skinny_gemm", counted)
+    return calls
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 64])
 @pytest.mark.parametrize("out_features", [80, 4096])  # skinny, cuBLAS at 1-2 rows
-def test_matches_nn_linear(device, rows, out_features):
+def test_matches_nn_linear(device, rows, out_features, skinny_calls):
     torch.manual_seed(rows)
     layer = UnquantizedLinear(256, out_features, dtype=torch.bfloat16, device=device)
     layer.weight.normal_()
@@ -19,3 +37,5 @@ def test_matches_nn_linear(device, rows, out_features):
     torch.testing.assert_close(out, ref, atol=0.1, rtol=2e-2)
     # leading dims pass through
     assert layer(x.view(1, rows, 256)).shape == (1, rows, out_features)
+    skinny = rows in (1, 2) and out_features <= 2048
+    assert skinny_calls == ([rows, rows] if skinny else [])

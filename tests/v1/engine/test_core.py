@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.model_executor.models import qwen3_moe
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.request import Request
@@ -134,6 +135,26 @@ def test_async_scheduling_refuses_data_parallel(checkpoint):
             data_parallel_size=2,
             enable_expert_parallel=True,
         )
+
+
+def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypatch):
+    """The model's GPU attention path on CPU (its Triton kernel under the
+    interpreter): q/k norm + RoPE and the KV-cache store in one kernel,
+    through chunked prefills and decodes that read the keys it stored."""
+    indices = [0, 5, 9]
+    reference = outputs(run(engine_factory(max_num_batched_tokens=8), indices))
+    stored: list[bool] = []
+    fused = qwen3_moe.qk_norm_rope_
+
+    def spy(*args, **kwargs):
+        stored.append(kwargs["kv_cache"] is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(qwen3_moe, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(qwen3_moe, "qk_norm_rope_", spy)
+    got = run(engine_factory(max_num_batched_tokens=8), indices)
+    assert stored and all(stored)  # every batched step stored through it
+    assert outputs(got) == reference
 
 
 def test_after_the_lock_nothing_grows(engine_factory):

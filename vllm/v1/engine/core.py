@@ -126,8 +126,9 @@ class _Launched:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step computed: decode-only when every request took one
-    token (the steps that replay a CUDA graph)."""
+    """What one step computed (on this rank): decode-only when every
+    request took one token (the steps that replay a CUDA graph where
+    graphs are captured)."""
 
     tokens: int
     requests: int

@@ -73,7 +73,7 @@ from vllm.distributed import (
 )
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats
+from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats, StepShape
 from vllm.v1.engine.core_client import limit_cpu_threads
 from vllm.v1.request import Request
 
@@ -498,6 +498,7 @@ class DPEngineCore(EngineCore):
                 finished = super().step()
             else:
                 finished = []
+                self.last_step = StepShape(0, 0)  # rank 0's own share: none
                 self.execute_dummy_batch()
             reports = control.gather_reports(_report(self, []), 0)
         except Exception as e:

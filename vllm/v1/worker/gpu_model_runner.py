@@ -176,7 +176,10 @@ class GPUModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], pool: BlockPool) -> torch.Tensor:
         """Logits [chunks that sample, vocab] of the step's ``chunks``, whose
-        blocks ``pool`` holds. Call inside ``on_stream()``."""
+        blocks ``pool`` holds. Call inside ``on_stream()``. After a replay
+        they may be a view of the graph's output, which the next replay
+        rewrites: consume them on the stream before the next step (as
+        sampling does) or copy them."""
         num_seqs = len(chunks)
         num_tokens = self._fill_inputs(chunks, pool)
         # Rows of the chunks that sample, from the host (a device mask would

@@ -87,12 +87,28 @@ def test_bad_arguments_are_named(device):
     args = (weight, weight, 1e-6, rope.cos_sin, positions)
     with pytest.raises(ValueError, match="q: expected"):
         qk_norm_rope_(torch.randn(3, 2, 12, device=device), k, *args)
+    with pytest.raises(ValueError, match="q: expected"):
+        qk_norm_rope_(torch.randn(3, 32, device=device), k, *args)
     with pytest.raises(ValueError, match="k: expected"):
         qk_norm_rope_(q, torch.randn(2, 2, 16, device=device), *args)
     with pytest.raises(ValueError, match="cos_sin: expected"):
         qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin.double(), positions)
-    with pytest.raises(ValueError, match="positions/weights"):
+    with pytest.raises(ValueError, match="positions: expected"):
         qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin, positions[:2])
+    with pytest.raises(ValueError, match="positions: expected"):
+        qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin, positions.int())
+    with pytest.raises(ValueError, match="q_weight/k_weight"):
+        qk_norm_rope_(q, k, weight, weight[:8], 1e-6, rope.cos_sin, positions)
+    with pytest.raises(ValueError, match="k: expected"):
+        qk_norm_rope_(q, k.double(), *args)
+    cache = torch.zeros(2, 1, 4, 2, 16, device=device)
+    with pytest.raises(ValueError, match="v: expected"):  # one head, not two
+        qk_norm_rope_(q, k, *args, kv_cache=cache, v=k[:, :1], slot_mapping=positions)
+    with pytest.raises(ValueError, match="v: expected"):
+        qk_norm_rope_(q, k, *args, kv_cache=cache, v=k.half(), slot_mapping=positions)
+    strided = torch.arange(6, device=device)[::2]
+    with pytest.raises(ValueError, match="slot_mapping: expected contiguous"):
+        qk_norm_rope_(q, k, *args, kv_cache=cache, v=k, slot_mapping=strided)
     with pytest.raises(ValueError, match="v/slot_mapping"):
         qk_norm_rope_(q, k, *args, kv_cache=torch.zeros(2, 1, 4, 2, 16, device=device))
     with pytest.raises(ValueError, match="kv_cache: expected"):

@@ -49,3 +49,7 @@ def test_bad_arguments_are_named(device):
         skinny_gemm(torch.randn(2, 16, device=device).bfloat16(), w)
     with pytest.raises(ValueError, match="weight: expected"):
         skinny_gemm(torch.randn(2, 32, device=device).half(), w)
+    with pytest.raises(ValueError, match="weight: expected"):
+        skinny_gemm(torch.randn(2, 32, device=device).bfloat16(), w[0, 0])
+    with pytest.raises(ValueError, match="block_k: expected"):
+        skinny_gemm(torch.randn(2, 32, device=device).bfloat16(), w, block_k=48)

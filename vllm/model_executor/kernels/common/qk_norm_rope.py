@@ -109,16 +109,39 @@ def _qk_norm_rope_kernel(
                 tl.store(cache_row, x, kv_mask)
 
 
-def _check_heads(name: str, x: torch.Tensor, tokens: int, head_size: int) -> None:
+def _check_heads(
+    name: str, x: torch.Tensor, like: torch.Tensor, heads: int | None = None
+) -> None:
+    """``x`` is [T, heads, head_size] as ``like`` (q) is, heads at unit
+    stride, in its dtype and on its device."""
+    tokens, _, head_size = like.shape
     if (
         x.dim() != 3
         or x.shape[0] != tokens
         or x.shape[2] != head_size
+        or (heads is not None and x.shape[1] != heads)
         or x.stride(2) != 1
+        or x.dtype != like.dtype
+        or x.device != like.device
     ):
         raise ValueError(
-            f"{name}: expected [{tokens}, heads, {head_size}] with unit stride, got "
-            f"{tuple(x.shape)} (strides {x.stride()})"
+            f"{name}: expected {like.dtype} [{tokens}, {heads or 'heads'}, "
+            f"{head_size}] with unit stride on {like.device}, got {x.dtype} "
+            f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}"
+        )
+
+
+def _check_index(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    tokens = like.shape[0]
+    if (
+        t.shape != (tokens,)
+        or t.dtype != torch.long
+        or t.stride(0) != 1
+        or t.device != like.device
+    ):
+        raise ValueError(
+            f"{name}: expected contiguous int64 [{tokens}] on {like.device}, got "
+            f"{t.dtype} {tuple(t.shape)} (strides {t.stride()}) on {t.device}"
         )
 
 
@@ -139,12 +162,18 @@ def qk_norm_rope_(
     token's position. ``cos_sin`` [2, max_position, head_size] fp32 holds
     each position's cos and sin. With ``kv_cache`` [2, blocks, block_size,
     kv_heads, head_size], the rotated keys and ``v`` are also stored at the
-    tokens' cache slots ``slot_mapping`` [T] (as ``write_kv_cache``)."""
+    tokens' cache slots ``slot_mapping`` [T] (as ``write_kv_cache``; the
+    slots are the caller's to keep in range: they are not checked, which
+    would cost a device sync). ``eps`` is both norms' (Qwen3 gives them
+    the config's one)."""
+    if q.dim() != 3 or q.shape[2] % 2 or q.shape[2] & (q.shape[2] - 1):
+        raise ValueError(
+            f"q: expected [T, heads, head_size] with head_size a power of two, "
+            f"got {tuple(q.shape)}"
+        )
     tokens, q_heads, head_size = q.shape
-    if head_size % 2 or head_size & (head_size - 1):
-        raise ValueError(f"q: expected a power-of-two head_size, got {head_size}")
-    _check_heads("q", q, tokens, head_size)
-    _check_heads("k", k, tokens, head_size)
+    _check_heads("q", q, q)
+    _check_heads("k", k, q)
     kv_heads = k.shape[1]
     if (
         cos_sin.dtype != torch.float32
@@ -155,38 +184,31 @@ def qk_norm_rope_(
             f"cos_sin: expected contiguous fp32 [2, positions, {head_size}], got "
             f"{cos_sin.dtype} {tuple(cos_sin.shape)}"
         )
-    if k.dtype != q.dtype:
-        raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
-    if positions.shape != (tokens,) or {q_weight.shape, k_weight.shape} != {
-        (head_size,)
-    }:
+    _check_index("positions", positions, q)
+    if {q_weight.shape, k_weight.shape} != {(head_size,)}:
         raise ValueError(
-            f"positions/weights: expected [{tokens}] and [{head_size}], got "
-            f"{tuple(positions.shape)}, {tuple(q_weight.shape)} and "
-            f"{tuple(k_weight.shape)}"
+            f"q_weight/k_weight: expected [{head_size}] each, got "
+            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
         )
     if kv_cache is None:  # the kernel reads none of these without a cache
         cache, values, slots = q, k, positions
     else:
         if v is None or slot_mapping is None:
             raise ValueError("v/slot_mapping: expected both with a kv_cache")
-        _check_heads("v", v, tokens, head_size)
+        _check_heads("v", v, q, kv_heads)
         if (
             kv_cache.shape[0] != 2
             or kv_cache.shape[3:] != (kv_heads, head_size)
             or not kv_cache.is_contiguous()
-            or kv_cache.dtype != k.dtype
+            or kv_cache.dtype != q.dtype
+            or kv_cache.device != q.device
         ):
             raise ValueError(
-                f"kv_cache: expected contiguous {k.dtype} [2, blocks, block_size, "
-                f"{kv_heads}, {head_size}], got {kv_cache.dtype} "
-                f"{tuple(kv_cache.shape)}"
+                f"kv_cache: expected contiguous {q.dtype} [2, blocks, block_size, "
+                f"{kv_heads}, {head_size}] on {q.device}, got {kv_cache.dtype} "
+                f"{tuple(kv_cache.shape)} on {kv_cache.device}"
             )
-        if slot_mapping.shape != (tokens,) or slot_mapping.dtype != torch.long:
-            raise ValueError(
-                f"slot_mapping: expected int64 [{tokens}], got {slot_mapping.dtype} "
-                f"{tuple(slot_mapping.shape)}"
-            )
+        _check_index("slot_mapping", slot_mapping, q)
         cache, values, slots = kv_cache, v, slot_mapping
     if not tokens:
         return

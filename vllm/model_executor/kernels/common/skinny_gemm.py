@@ -90,7 +90,6 @@ def skinny_gemm(
             f"{x.dtype} {list(x.shape)} (strides {x.stride()})",
         )  # fmt: skip
     m, k = x.shape
-    n = weight.shape[0]
     if (
         weight.dim() != 2
         or weight.shape[1] != k
@@ -102,6 +101,9 @@ def skinny_gemm(
             "weight", f"[N, {k}] {x.dtype} on {x.device} with unit stride along K, "
             f"got {weight.dtype} {list(weight.shape)} on {weight.device}",
         )  # fmt: skip
+    if block_k < 16 or block_k & (block_k - 1):
+        raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
+    n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
         _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
