@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.checks import check_contiguous
+
 
 @triton.jit
 def _norm_row(x_ptr, weight_ptr, offs, mask, eps, HEAD_DIM: tl.constexpr):
@@ -131,20 +133,6 @@ def _check_heads(
         )
 
 
-def _check_index(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    tokens = like.shape[0]
-    if (
-        t.shape != (tokens,)
-        or t.dtype != torch.long
-        or t.stride(0) != 1
-        or t.device != like.device
-    ):
-        raise ValueError(
-            f"{name}: expected contiguous int64 [{tokens}] on {like.device}, got "
-            f"{t.dtype} {tuple(t.shape)} (strides {t.stride()}) on {t.device}"
-        )
-
-
 def qk_norm_rope_(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,7 +172,7 @@ def qk_norm_rope_(
             f"cos_sin: expected contiguous fp32 [2, positions, {head_size}], got "
             f"{cos_sin.dtype} {tuple(cos_sin.shape)}"
         )
-    _check_index("positions", positions, q)
+    check_contiguous("positions", positions, torch.long, [tokens], q.device)
     if {q_weight.shape, k_weight.shape} != {(head_size,)}:
         raise ValueError(
             f"q_weight/k_weight: expected [{head_size}] each, got "
@@ -196,19 +184,10 @@ def qk_norm_rope_(
         if v is None or slot_mapping is None:
             raise ValueError("v/slot_mapping: expected both with a kv_cache")
         _check_heads("v", v, q, kv_heads)
-        if (
-            kv_cache.shape[0] != 2
-            or kv_cache.shape[3:] != (kv_heads, head_size)
-            or not kv_cache.is_contiguous()
-            or kv_cache.dtype != q.dtype
-            or kv_cache.device != q.device
-        ):
-            raise ValueError(
-                f"kv_cache: expected contiguous {q.dtype} [2, blocks, block_size, "
-                f"{kv_heads}, {head_size}] on {q.device}, got {kv_cache.dtype} "
-                f"{tuple(kv_cache.shape)} on {kv_cache.device}"
-            )
-        _check_index("slot_mapping", slot_mapping, q)
+        # [2, blocks, block_size, kv_heads, head_size]
+        cache_shape = (2, *kv_cache.shape[1:3], kv_heads, head_size)
+        check_contiguous("kv_cache", kv_cache, q.dtype, cache_shape, q.device)
+        check_contiguous("slot_mapping", slot_mapping, torch.long, [tokens], q.device)
         cache, values, slots = kv_cache, v, slot_mapping
     if not tokens:
         return
