@@ -326,9 +326,10 @@ class EngineCore:
                 [c.request.sampling_params for c in sampling],
                 [c.request.generator for c in sampling],
             )
-        self.runner.remember_sampled(
-            sampled.device_tokens, [c.request.request_id for c in sampling]
-        )
+        if self.config.async_scheduling:  # the next step's inputs
+            self.runner.remember_sampled(
+                sampled.device_tokens, [c.request.request_id for c in sampling]
+            )
         return _Launched(chunks, sampling, sampled)
 
     def _resolve(self, launched: _Launched) -> list[Request]:

@@ -63,10 +63,7 @@ class SampledBatch:
     queued after them (the next step)."""
 
     def __init__(
-        self,
-        tokens: torch.Tensor,
-        params: list[SamplingParams],
-        logprobs: torch.Tensor | None,
+        self, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
     ) -> None:
         self.device_tokens = tokens
         # Log-probabilities only for the rows that asked (a full-vocabulary
@@ -74,7 +71,8 @@ class SampledBatch:
         self._asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         self._num_top = [params[i].logprobs or 0 for i in self._asked]
         copies = [tokens]
-        if logprobs is not None:
+        if self._asked:
+            logprobs = torch.log_softmax(logits[self._asked].float(), dim=-1)
             chosen = logprobs.gather(1, tokens[self._asked, None]).squeeze(1)
             values, ids = logprobs.topk(max(self._num_top), dim=-1)
             copies += [chosen, values, ids]
@@ -133,9 +131,7 @@ def sample_async(
             if generators[i] is not None:
                 race[row].exponential_(generator=generators[i])
         tokens[random] = (probs / race).argmax(dim=-1)
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs = torch.log_softmax(logits[asked].float(), dim=-1) if asked else None
-    return SampledBatch(tokens, params, logprobs)
+    return SampledBatch(logits, tokens, params)
 
 
 def sample(
