@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(
@@ -38,6 +39,7 @@ def main() -> None:
             max_model_len=args.input_len + 256,
             max_num_seqs=args.batch_size,
             max_num_batched_tokens=max(args.batch_size * args.input_len, 256),
+            async_scheduling=args.async_scheduling,
         )
     engine, runner = llm.engine, llm.engine.runner
     vocab = engine.model.config.vocab_size
@@ -74,6 +76,10 @@ def main() -> None:
         end.record()
     end.synchronize()
     replay_ms = begin.elapsed_time(end) / 50
+    with runner.on_stream(), profile(activities=[ProfilerActivity.CUDA]) as replays:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
 
     chunks = engine.scheduler.schedule()
     graphs, runner.graphs = runner.graphs, {}
@@ -89,11 +95,13 @@ def main() -> None:
         f"engine step {step_ms:.3f} ms | graph replay {replay_ms:.3f} ms "
         f"(batch {args.batch_size})"
     )
-    print(
-        prof.key_averages().table(
-            sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+    for title, trace in (("graph replays", replays), ("eager steps", prof)):
+        print(f"GPU kernels of 5 {title}:")
+        print(
+            trace.key_averages().table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+            )
         )
-    )
 
 
 if __name__ == "__main__":

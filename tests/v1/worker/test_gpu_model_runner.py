@@ -1,5 +1,6 @@
 """The engine's model runner: its step inputs equal the metadata built from
-the block pool, and (GPU) CUDA-graph decode equals eager decode."""
+the block pool, and (GPU) CUDA-graph steps, decode and with prefill, equal
+the same steps run eagerly."""
 
 import itertools
 from typing import Any
@@ -13,7 +14,7 @@ from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.scheduler import ScheduledChunk
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.request import Request
-from vllm.v1.worker.gpu_model_runner import decode_capture_sizes
+from vllm.v1.worker.gpu_model_runner import decode_capture_sizes, mixed_capture_sizes
 from vllm.v1.worker.workspace import current_workspace_manager, reset_workspace_manager
 
 _prefixes = (f"runner_test_{i}." for i in itertools.count())
@@ -56,6 +57,10 @@ def test_capture_sizes():
     assert decode_capture_sizes(1) == [1]
     assert decode_capture_sizes(12) == [12, 8, 4, 2, 1]
     assert decode_capture_sizes(24) == [24, 16, 8, 4, 2, 1]
+    assert mixed_capture_sizes(40) == [40]
+    assert mixed_capture_sizes(160) == [160, 128, 64]
+    assert mixed_capture_sizes(2048) == [2048, 1536, 1024, 512, 256, 128, 64]
+    assert mixed_capture_sizes(1000) == [1000, 512, 256, 128, 64]
 
 
 def test_step_inputs_match_the_pool(checkpoint):
@@ -106,9 +111,7 @@ def test_graph_decode_equals_eager_decode(checkpoint):
             assert all(c.end - c.start == 1 for c in chunks) and len(chunks) == 5
             with runner.on_stream():
                 graphed = runner.execute(chunks, engine.pool).float()
-                graphs, runner.graphs = runner.graphs, {}
-                eager = runner.execute(chunks, engine.pool).float()
-                runner.graphs = graphs
+                eager = _run_eagerly(runner, chunks, engine.pool).float()
             torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)
             assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
             for chunk, token in zip(chunks, graphed.argmax(-1).tolist(), strict=True):
@@ -116,6 +119,59 @@ def test_graph_decode_equals_eager_decode(checkpoint):
             engine.scheduler.finish_step(chunks)
         assert all(len(r.output_token_ids) == 11 for r in requests)
         assert manager.memory_report().total_bytes == before
+    finally:
+        reset_workspace_manager()
+
+
+def _run_eagerly(runner, chunks, pool) -> torch.Tensor:
+    graphs, runner.graphs = runner.graphs, {}
+    mixed, runner.mixed_graphs = runner.mixed_graphs, {}
+    try:
+        return runner.execute(chunks, pool)
+    finally:
+        runner.graphs, runner.mixed_graphs = graphs, mixed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_prefill_equals_eager_prefill(checkpoint):
+    """bf16 on CUDA: a step with prefill replayed at a larger captured token
+    count (7 tokens at 64: padding tokens and requests) gives the logits of
+    the same step run eagerly, and its padding tokens write no key or value
+    outside the null block, although the slots a larger earlier step left
+    in the input buffers point into live requests' blocks."""
+    engine = _engine(
+        checkpoint, dtype="bfloat16", device="cuda", max_num_batched_tokens=160
+    )
+    try:
+        runner, pool = engine.runner, engine.pool
+        assert sorted(runner.mixed_graphs) == [64, 128, 160]
+        manager = current_workspace_manager()
+        before = manager.memory_report().total_bytes
+        first = _requests(engine, 2, 8)  # prompts of 5 and 11 tokens
+        engine.step()  # one step of 16 prompt tokens
+        engine.step()  # decode: the input buffers keep the prompts' slots
+        late = Request("late", list(range(7, 12)), SamplingParams(max_tokens=2))
+        engine.add_request(late)
+        chunks = engine.scheduler.schedule()
+        assert [c.end - c.start for c in chunks] == [1, 1, 5]
+        caches = [layer.kv_cache for layer in runner._attention_layers()]
+        saved = [cache.clone() for cache in caches]
+        with runner.on_stream():
+            graphed = runner.execute(chunks, pool).float()
+            written = runner.slot_mapping[:7].clone()
+            torch.cuda.synchronize()
+        changed = torch.zeros(pool.num_blocks * 16, dtype=torch.bool, device="cuda")
+        for cache, old in zip(caches, saved, strict=True):
+            diff = (cache != old).flatten(3).any(-1).any(0).flatten()
+            changed |= diff[: pool.num_blocks * 16]  # the null block comes last
+        assert changed.nonzero().flatten().tolist() == sorted(written.tolist())
+        with runner.on_stream():
+            eager = _run_eagerly(runner, chunks, pool).float()
+        torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)
+        assert graphed.shape == (3, eager.shape[1])
+        assert manager.memory_report().total_bytes == before
+        assert all(len(r.output_token_ids) == 2 for r in first)
     finally:
         reset_workspace_manager()
 
@@ -133,6 +189,7 @@ def test_graphs_and_eager_engines_agree(checkpoint):
         )
         try:
             assert bool(engine.runner.graphs) != eager
+            assert bool(engine.runner.mixed_graphs) != eager
             requests = _requests(engine, 12, 16)
             while engine.has_unfinished_requests():
                 engine.step()

@@ -241,7 +241,7 @@ class EngineCore:
             )
         self.pool = BlockPool(num_blocks, BLOCK_SIZE)
         self.runner.initialize_kv_cache(num_blocks)
-        self.runner.capture_decode_graphs()
+        self.runner.capture_graphs()
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.last_step = StepShape(0, 0)
         self._in_flight: _Launched | None = None

@@ -3,7 +3,7 @@
 Lifecycle (the engine calls these in order, then locks the workspace
 manager): ``profile_run`` (one step at the largest token budget: the MoE
 scratch and workspaces grow to it, and its peak sizes the KV cache) ->
-``initialize_kv_cache`` -> ``capture_decode_graphs`` (CUDA only, unless
+``initialize_kv_cache`` -> ``capture_graphs`` (CUDA only, unless
 ``enforce_eager``).
 
 Every GPU step, eager or replayed, runs on the runner's own stream, the one
@@ -11,11 +11,22 @@ it warmed up and captured on: the lock buffers of the Marlin and Humming
 experts are per stream, and after lock the manager hands out no others.
 Callers wrap each step and what reads its logits in ``on_stream()``.
 
-Pure-decode steps (every request computes one token) of up to the largest
-captured size replay a CUDA graph captured at the next size up; the padding
-rows are requests of one token whose key and value go to the null block,
-one cache block past the pool's (no request ever owns it). The graphs read
-the step from persistent input buffers that every step fills.
+Every step replays a CUDA graph captured at the next size up; the graphs
+read the step from persistent input buffers that every step fills:
+
+- pure-decode steps (every request computes one token), by requests: the
+  padding rows are requests of one token whose key and value go to the null
+  block, one cache block past the pool's (no request ever owns it);
+- steps with prefill, by tokens (the largest is the token budget): the
+  request count is always ``max_num_seqs``, the padding requests have no
+  tokens, and the padding tokens belong to no request (their keys and
+  values go to the null block, their rows are never read). These graphs
+  end at the hidden states of the sampling rows; the head runs after the
+  replay (a graph's outputs stay allocated, and a logits tensor per graph
+  of up to ``max_num_seqs`` rows would cost GiBs).
+
+An eager step there takes tens of milliseconds of host time for its
+launches alone (48 layers), several times the GPU's share of a mixed step.
 """
 
 from __future__ import annotations
@@ -46,10 +57,22 @@ def decode_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes | {max_num_seqs}, reverse=True)
 
 
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts captured for steps with prefill, largest first: 64, 128,
+    256, then every multiple of 512, up to ``max_num_batched_tokens``
+    (itself included). The padding costs at most 512 tokens of compute above
+    512 tokens, where a step's GPU time is a few ms."""
+    budget = max_num_batched_tokens
+    sizes = {n for n in (64, 128, 256, *range(512, budget + 1, 512)) if n <= budget}
+    return sorted(sizes | {budget}, reverse=True)
+
+
 @dataclass
-class _DecodeGraph:
+class _StepGraph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [size, vocab], rewritten by every replay
+    # decode: logits [size, vocab]; prefill: hidden states of the sampling
+    # rows [max_num_seqs, hidden]. Rewritten by every replay.
+    output: torch.Tensor
 
 
 class GPUModelRunner:
@@ -83,8 +106,10 @@ class GPUModelRunner:
             self.block_table = torch.zeros(
                 seqs, max_blocks, dtype=torch.int32, device=device
             )
+            self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
         self.null_block = -1  # set with the KV cache
-        self.graphs: dict[int, _DecodeGraph] = {}
+        self.graphs: dict[int, _StepGraph] = {}  # decode, by requests
+        self.mixed_graphs: dict[int, _StepGraph] = {}  # with prefill, by tokens
         self._last_tokens: torch.Tensor | None = None  # remember_sampled
         self._last_rows: dict[str, int] = {}
 
@@ -148,18 +173,28 @@ class GPUModelRunner:
         self.null_block = num_blocks
 
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> None:
-        """One graph per decode size, largest first (they share one memory
-        pool), each warmed up eagerly first: the capture sees no first-time
-        allocation or compilation."""
+    def capture_graphs(self) -> None:
+        """The graphs of steps with prefill, then of decode steps, each
+        largest first (all share one memory pool) and warmed up eagerly
+        first: the capture sees no first-time allocation or compilation."""
         if self.stream is None or self.enforce_eager:
             return
-        sizes = decode_capture_sizes(
-            min(self.max_num_seqs, self.max_num_batched_tokens)
-        )
+        seqs = self.max_num_seqs
+        mixed_sizes = mixed_capture_sizes(self.max_num_batched_tokens)
+        decode_sizes = decode_capture_sizes(min(seqs, self.max_num_batched_tokens))
         pool = None
         with self.on_stream():
-            for size in sizes:
+            for size in mixed_sizes:
+                self._fill_mixed_padding(0, 0, size)
+                # any max_query_len > 1 launches the prefill kernels
+                meta = self._metadata(seqs, size, max_query_len=size)
+                self._forward_sampling_rows(size, meta)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                    hidden = self._forward_sampling_rows(size, meta)
+                pool = graph.pool()
+                self.mixed_graphs[size] = _StepGraph(graph, hidden)
+            for size in decode_sizes:
                 self._fill_decode_padding(0, size)
                 meta = self._metadata(size, size, max_query_len=1)
                 self._forward_logits(size, meta)
@@ -167,9 +202,14 @@ class GPUModelRunner:
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream):
                     logits = self._forward_logits(size, meta)
                 pool = graph.pool()
-                self.graphs[size] = _DecodeGraph(graph, logits)
+                self.graphs[size] = _StepGraph(graph, logits)
         self._synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+        logger.info(
+            "captured CUDA graphs: steps with prefill of %s tokens, decode "
+            "batches of %s requests",
+            mixed_sizes,
+            decode_sizes,
+        )
 
     # -- steps ---------------------------------------------------------------
 
@@ -189,16 +229,26 @@ class GPUModelRunner:
             end += chunk.end - chunk.start
             if chunk.samples:
                 ends.append(end - 1)
-        decode = num_tokens == num_seqs
-        size = min((s for s in self.graphs if s >= num_seqs), default=None)
-        if decode and size is not None:
-            if size > num_seqs:
-                self._fill_decode_padding(num_seqs, size)
-            entry = self.graphs[size]
-            entry.graph.replay()
-            if len(ends) == num_seqs:  # a slice: no index copy, no kernel
-                return entry.logits[:num_seqs]
-            return entry.logits[self._rows(ends)]
+        if num_tokens == num_seqs:  # decode
+            size = min((s for s in self.graphs if s >= num_seqs), default=None)
+            if size is not None:
+                if size > num_seqs:
+                    self._fill_decode_padding(num_seqs, size)
+                entry = self.graphs[size]
+                entry.graph.replay()
+                if len(ends) == num_seqs:  # a slice: no index copy, no kernel
+                    return entry.output[:num_seqs]
+                return entry.output[self._rows(ends)]
+        else:
+            size = min((s for s in self.mixed_graphs if s >= num_tokens), default=None)
+            if size is not None:
+                self._fill_mixed_padding(num_seqs, num_tokens, size)
+                rows = np.zeros(self.max_num_seqs, np.int64)
+                rows[: len(ends)] = ends
+                self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+                entry = self.mixed_graphs[size]
+                entry.graph.replay()
+                return self.model.compute_logits(entry.output[: len(ends)])
         meta = self._metadata(
             num_seqs, num_tokens, max(c.end - c.start for c in chunks)
         )
@@ -282,6 +332,14 @@ class GPUModelRunner:
             start + 1, size + 1, dtype=torch.int32
         )
 
+    def _fill_mixed_padding(self, num_seqs: int, num_tokens: int, size: int) -> None:
+        """A step with prefill padded to ``size`` tokens and ``max_num_seqs``
+        requests: requests from ``num_seqs`` on have no tokens, and tokens
+        from ``num_tokens`` on write their keys and values to the null block
+        (never to a slot a request owns, as the last step's would)."""
+        self.slot_mapping[num_tokens:size] = self.null_block * self.block_size
+        self.query_start_loc[num_seqs + 1 :] = num_tokens
+
     def _metadata(
         self, num_seqs: int, num_tokens: int, max_query_len: int
     ) -> PagedAttentionMetadata:
@@ -298,6 +356,13 @@ class GPUModelRunner:
         with set_forward_context(meta):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             return self.model.compute_logits(hidden)
+
+    def _forward_sampling_rows(
+        self, size: int, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        with set_forward_context(meta):
+            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            return hidden[self.logits_rows]
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -14,7 +14,8 @@ def _reference(logits, topk, renormalize):
 
 
 @pytest.mark.parametrize(
-    ("tokens", "experts", "topk"), [(1, 128, 8), (9, 60, 4), (3, 16, 1), (2, 5, 5)]
+    ("tokens", "experts", "topk"),
+    [(1, 128, 8), (2, 512, 8), (9, 60, 4), (3, 16, 1), (2, 5, 5)],
 )
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_matches_softmax_topk(device, tokens, experts, topk, renormalize):

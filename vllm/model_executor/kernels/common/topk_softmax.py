@@ -3,8 +3,11 @@
 A MoE layer's routing in plain PyTorch is seven kernels (cast, softmax,
 top-k's select and sort, sum, divide, id cast): some 20 us per layer at
 decode sizes, more than the layer's expert GEMMs take at one token. One
-program routes one token: the softmax in fp32 in registers, then ``k``
-rounds of max-and-remove (ties go to the lower expert id).
+program routes one token: the softmax in fp32 in registers, then every
+expert's rank from all pairwise comparisons at once (ties go to the lower
+expert id); the top ``k`` store their weight and id at their rank. ``k``
+rounds of max-and-remove, the first version, were 2k block reductions in
+series: 3.4 us per call at one token on the H200.
 """
 
 from __future__ import annotations
@@ -24,31 +27,36 @@ def _topk_softmax_kernel(
     K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr,  # experts compared at once (BLOCK_E x CHUNK pairs)
 ):
-    t = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + tl.program_id(0).to(tl.int64) * stride_logits
+    out = tl.program_id(0).to(tl.int64) * K
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
-    x = tl.load(logits_ptr + t * stride_logits + e, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
+    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
-    # -1: below every probability; a NaN row (overflowed logits) still
-    # yields ids in range, never a lane past the experts
     p = p / tl.sum(p, 0)
-    p = tl.where(valid & (p == p), p, -1.0)
-    k = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], tl.float32)
-    ids = tl.zeros([BLOCK_K], tl.int32)
-    for i in tl.static_range(K):
-        best = tl.max(p, 0)
-        chosen = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), num_experts - 1)
-        weights = tl.where(k == i, best, weights)
-        ids = tl.where(k == i, chosen, ids)
-        p = tl.where(e == chosen, -1.0, p)
+    # Softmax keeps the logits' order: an expert's rank is the number of
+    # experts with a larger logit, or an equal one and a lower id. NaN and
+    # the lanes past the experts sort last, so a NaN row still routes to
+    # ids in range.
+    key = tl.where(x == x, x, float("-inf"))
+    rank = tl.zeros([BLOCK_E], tl.int32)
+    for start in tl.static_range(0, BLOCK_E, CHUNK):
+        other = start + tl.arange(0, CHUNK)
+        x_other = tl.load(row + other, mask=other < num_experts, other=float("-inf"))
+        x_other = x_other.to(tl.float32)
+        k_other = tl.where(x_other == x_other, x_other, float("-inf"))[None, :]
+        beats = (k_other > key[:, None]) | (
+            (k_other == key[:, None]) & (other[None, :] < e[:, None])
+        )
+        rank += tl.sum(beats.to(tl.int32), 1)
+    chosen = rank < K
+    weights = tl.where(p == p, p, -1.0)  # NaN: a weight below every probability
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    tl.store(weights_ptr + t * K + k, weights, mask=k < K)
-    tl.store(ids_ptr + t * K + k, ids, mask=k < K)
+        weights = weights / tl.sum(tl.where(chosen, weights, 0.0), 0)
+    tl.store(weights_ptr + out + rank, weights, mask=chosen)
+    tl.store(ids_ptr + out + rank, e, mask=chosen)
 
 
 def topk_softmax(
@@ -66,6 +74,7 @@ def topk_softmax(
     weights = torch.empty(tokens, topk, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
     if tokens:
+        block_e = triton.next_power_of_2(num_experts)
         _topk_softmax_kernel[(tokens,)](
             weights,
             ids,
@@ -74,7 +83,7 @@ def topk_softmax(
             gating_output.stride(0),
             K=topk,
             RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(topk),
+            BLOCK_E=block_e,
+            CHUNK=min(block_e, max(16, 8192 // block_e)),
         )
     return weights, ids
