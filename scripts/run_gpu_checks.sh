@@ -3,7 +3,8 @@
 #   scripts/run_gpu_checks.sh [pytest selection...]
 # Installs wheels carried in .whl/ first (e.g. humming-kernels), writes logs
 # under $OUT when set (else ./out), and ends with a summary table.
-# Knobs: SKIP_TESTS=1, GPU_BENCHMARKS="<files>" (empty: none),
+# Knobs: SKIP_TESTS=1, GPU_TESTS_ONLY (1: skip the tests that never touch the
+# GPU, CI runs them; empty: all), GPU_BENCHMARKS="<files>" (empty: none),
 # SKIP_MEMORY_REPORT=1, TUNING="<benchmarks/tuning script names>" (default none),
 # TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
 # PYTEST_WORKERS (16). The whole run takes more than one 10-minute device
@@ -11,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-export HUMMING_DISABLE_PARALLEL_BUILD=1
+export HUMMING_DISABLE_PARALLEL_BUILD=1 GPU_TESTS_ONLY="${GPU_TESTS_ONLY-1}"
 LOG="${OUT:-$PWD/out}"
 mkdir -p "$LOG"
 
@@ -54,8 +55,9 @@ own_group() {  # own_group COMMAND...: run it as a process group of its own, the
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-16}")
 if [ -z "${SKIP_TESTS:-}" ]; then
-    # The whole suite: on CUDA the `device` fixture runs the shared tests on
-    # the GPU too, a superset of `-m gpu`. Bounded, and its xdist workers are
+    # The tests that touch the GPU (all with GPU_TESTS_ONLY empty): those
+    # marked gpu and the shared tests, which the `device` fixture runs on
+    # the GPU here. Bounded, and its xdist workers are
     # killed afterwards so no straggler shares the GPU with the benchmarks.
     step gpu-tests "$LOG/gpu_tests.log" own_group timeout -k 10 \
         "${TEST_TIMEOUT_S:-480}" python3 -m pytest -q -p no:cacheprovider \

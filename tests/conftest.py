@@ -27,12 +27,20 @@ CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    if CUDA:
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not CUDA:
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    elif os.environ.get("GPU_TESTS_ONLY"):
+        # The device's minutes are scarce, and CI's CPU run covers the tests
+        # that never touch the GPU: run those marked gpu and those taking
+        # the device fixture (CUDA here).
+        skip_cpu = pytest.mark.skip(reason="GPU_TESTS_ONLY: a CPU test, run in CI")
+        for item in items:
+            gpu = "gpu" in item.keywords
+            if not gpu and "device" not in getattr(item, "fixturenames", ()):
+                item.add_marker(skip_cpu)
 
 
 @pytest.fixture

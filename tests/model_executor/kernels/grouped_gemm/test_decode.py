@@ -146,6 +146,7 @@ def test_bad_arguments_are_named(device):
             moe_decode(**(good | {name: bad}))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 and graphs: CUDA")
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_fp8_weights_and_graph_replay(tokens):
