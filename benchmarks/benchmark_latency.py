@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--output-json", type=Path)

@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--waves", type=int, default=4, help="requests per slot")
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", choices=["fp8", "w4a16"])
+    parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=Path("out/serving_sweep"))

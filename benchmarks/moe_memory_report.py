@@ -41,6 +41,7 @@ SCHEMES = {
     "bf16": QuantScheme.UNQUANTIZED,
     "fp8_w8a8": QuantScheme.FP8_PER_TOKEN,
     "w4a16": QuantScheme.W4A16_UINT4,
+    "w4a8": QuantScheme.W4A8_UINT4,
 }
 
 PRESETS = {

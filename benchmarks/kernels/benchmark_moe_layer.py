@@ -86,6 +86,7 @@ BACKENDS = {
     "humming": ("humming", QuantScheme.W4A16_UINT4),
     "humming_fp8": ("humming", QuantScheme.FP8_PER_TOKEN),
     "marlin": ("marlin", QuantScheme.W4A16_UINT4),
+    "triton_w4a8": ("triton_w4a8", QuantScheme.W4A8_UINT4),
 }
 
 
@@ -202,7 +203,8 @@ def bench(
     flops = 6 * tokens * moe.experts_per_token * k * i
     share = None if gemm_us is None else max(0.0, 1 - gemm_us / layer_us)
     tflops = flops / (layer_us * 1e-6) / 1e12
-    peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8 else torch.bfloat16]
+    fp8_mma = fp8 or scheme == QuantScheme.W4A8_UINT4
+    peak = H200_PEAK_TFLOPS[torch.float8_e4m3fn if fp8_mma else torch.bfloat16]
     return Row(
         label, tokens, layer_us, tflops, tflops / peak, gemm_us, share, torch_gemm_us
     )

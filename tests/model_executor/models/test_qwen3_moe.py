@@ -11,6 +11,7 @@ import torch
 
 from vllm.distributed import GroupCoordinator
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import dequantize_w4, quantize_w4
 from vllm.model_executor.layers.attention import bind_kv_cache
 from vllm.model_executor.layers.quantization.marlin import MarlinLinear
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
@@ -273,20 +274,32 @@ def w4a16_reference(hf, names: tuple[str, ...]) -> None:
             param.copy_(marlin_dequantize(packed, scales, 128).view(param.shape))
 
 
+def w4a8_reference(hf, names: tuple[str, ...]) -> None:
+    """Replace ``hf``'s expert weights by their uint4 round trip (of their
+    bf16 values, as our layers quantize them)."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(names):
+                w = param.data.to(torch.bfloat16)
+                param.copy_(dequantize_w4(*quantize_w4(w)))
+
+
 @pytest.mark.parametrize(
     ("quantization", "experts", "bound"),
     [
         (None, "GroupedMMExperts", 0.05),
         ("fp8", "TritonExpertsFp8", 0.08),
         ("w4a16", "MarlinExperts", 0.05),
+        ("w4a8", "TritonExpertsW4A8", 0.08),
     ],
 )
 def test_online_quantization_matches_its_oracle(tmp_path, quantization, experts, bound):
     """bf16 on the CPU (the quantized kernels' references) against
     transformers in fp32: relative error of the logits under ``bound``. For
-    "w4a16" transformers runs the uint4 round trip of the same weights (4-bit
-    weights alone move these random logits by ~35%); for "fp8" the original
-    weights (FP8 rounding of weights and activations is within the bound)."""
+    "w4a16" and "w4a8" transformers runs the uint4 round trip of the same
+    weights (4-bit weights alone move these random logits by ~35%); for
+    "fp8" the original weights (FP8 rounding of weights and activations is
+    within the bound)."""
     dims: dict[str, Any] = {"moe_intermediate_size": 128, "intermediate_size": 256}
     hf = build_tiny_checkpoint(
         tmp_path,
@@ -294,6 +307,8 @@ def test_online_quantization_matches_its_oracle(tmp_path, quantization, experts,
         with_tokenizer=False,
         **dims,
     )
+    if quantization == "w4a8":
+        w4a8_reference(hf, ("gate_up_proj", "experts.down_proj"))
     if quantization == "w4a16":
         projections = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
         mlp = ("o_proj.weight", "gate_proj.weight", "up_proj.weight")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-QUANTIZATIONS = ("fp8", "w4a16")
+QUANTIZATIONS = ("fp8", "w4a16", "w4a8")
 ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

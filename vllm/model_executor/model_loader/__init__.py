@@ -67,8 +67,9 @@ def get_model(
     """The loaded model of checkpoint directory ``model``, in inference mode
     (no gradients); ``seed`` draws the dummy weights. ``quantization``
     quantizes while loading: "fp8" (experts: FP8 weights per channel,
-    activations per token) or "w4a16" (uint4 weights in groups of 128 for the
-    experts and the attention and dense MLP linears). ``ep_group`` shards
+    activations per token), "w4a16" (uint4 weights in groups of 128 for the
+    experts and the attention and dense MLP linears) or "w4a8" (experts:
+    uint4 weights in groups of 128, fp8 activations per token). ``ep_group`` shards
     the experts over its ranks, exchanging tokens through
     ``all2all_backend``."""
     if load_format not in LOAD_FORMATS:

@@ -99,7 +99,7 @@ class Qwen3MoeModelConfig:
 @dataclass(frozen=True)
 class BuildArgs:
     """How every layer is built: dtype, device, the experts backend, the
-    online quantization (None, "fp8" or "w4a16") and, under expert
+    online quantization (None, "fp8", "w4a16" or "w4a8") and, under expert
     parallelism, the group the MoE layers shard their experts over."""
 
     dtype: torch.dtype
@@ -113,6 +113,7 @@ class BuildArgs:
 QUANTIZATIONS = {
     "fp8": QuantScheme.FP8_PER_TOKEN,  # experts only
     "w4a16": QuantScheme.W4A16_UINT4,  # experts and the attention/dense MLP linears
+    "w4a8": QuantScheme.W4A8_UINT4,  # experts only
 }
 
 

@@ -70,7 +70,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # fixed KV cache size (tests, CPU)
     moe_backend: str = "auto"
-    quantization: str | None = None  # "fp8" or "w4a16", applied while loading
+    quantization: str | None = None  # "fp8", "w4a16" or "w4a8", applied while loading
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process

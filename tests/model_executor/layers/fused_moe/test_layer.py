@@ -251,9 +251,9 @@ def test_graph_captured_before_reload_uses_new_weights(workspace_init, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", list(SCHEMES))
+@pytest.mark.parametrize("backend", [*SCHEMES, "triton_w4a8"])
 def test_cuda_graph_replay_with_new_routing(workspace_init, backend):
-    moe = moe_config("cuda", scheme=SCHEMES[backend])
+    moe = moe_config("cuda", scheme=RELOAD_SCHEMES[backend])
     layer = make_layer(moe, "cuda", backend, seed=5)
     hidden = torch.randn(64, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
     logits = torch.randn(64, moe.num_experts, device="cuda")

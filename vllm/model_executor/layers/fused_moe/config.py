@@ -18,6 +18,7 @@ class QuantScheme(enum.Enum):
     FP8_BLOCK = "fp8_w8a8_block"  # 128x128 weight blocks, 1x128 activation groups
     W4A16_UINT4 = "w4a16_uint4"  # uint4 weights, bf16 scales per group of 128
     W4A16_MXFP4 = "w4a16_mxfp4"  # fp4 e2m1 weights, e8m0 scales per group of 32
+    W4A8_UINT4 = "w4a8_uint4"  # uint4 weights, fp32 scales per group of 128, fp8 acts
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.experts.triton_w4a8_moe import (
+    TritonExpertsW4A8,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     FusedMoEModularKernel,
@@ -59,13 +62,30 @@ EXPERTS_BACKENDS: dict[str, type[FusedMoEExperts]] = {
     "triton_fp8": TritonExpertsFp8,
     "humming": HummingGroupedExperts,
     "marlin": MarlinExperts,
+    "triton_w4a8": TritonExpertsW4A8,
 }
 """Backend names a layer accepts (besides ``auto``) and the experts they build."""
 
 AUTO_ORDER = {
-    "cuda": ("triton", "grouped_mm", "triton_fp8", "cutlass", "humming", "marlin"),
+    "cuda": (
+        "triton",
+        "grouped_mm",
+        "triton_fp8",
+        "cutlass",
+        "humming",
+        "marlin",
+        "triton_w4a8",
+    ),
     # The CPU runs references of the GPU kernels: grouped_mm is its bf16 path.
-    "cpu": ("grouped_mm", "triton", "triton_fp8", "cutlass", "humming", "marlin"),
+    "cpu": (
+        "grouped_mm",
+        "triton",
+        "triton_fp8",
+        "cutlass",
+        "humming",
+        "marlin",
+        "triton_w4a8",
+    ),
 }
 """``auto`` takes the first backend of the device's order that runs the layer.
 Measured on the H200: triton 1.15-1.37x the grouped_mm layer (64-8192

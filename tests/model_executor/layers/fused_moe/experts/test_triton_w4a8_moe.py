@@ -1,0 +1,91 @@
+"""TritonExpertsW4A8: the layer against the dense reference of its
+dequantized weights (CPU: the GEMMs' references, and once the interpreted
+kernels; GPU: the kernels), one permute scratch per slot, and its limits."""
+
+import pytest
+import torch
+
+from tests.model_executor.layers.fused_moe.utils import (
+    CUDA,
+    check_backend,
+    make_layer,
+    moe_config,
+)
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
+    grouped_gemm_w4a8,
+    grouped_gemm_w4a8_gated,
+)
+from vllm.model_executor.layers.fused_moe.config import QuantScheme
+from vllm.model_executor.layers.fused_moe.experts import triton_w4a8_moe
+from vllm.model_executor.layers.fused_moe.experts.triton_w4a8_moe import (
+    TritonExpertsW4A8,
+)
+
+CPU_DIMS = {"intermediate_size": 128}  # whole weight groups
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 64])
+@pytest.mark.parametrize("topk", [1, 8])
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_layer_matches_the_dense_reference_cpu(workspace_init, tokens, topk, ep_size):
+    if CUDA:
+        pytest.skip("CPU path")
+    torch.manual_seed(tokens + topk + ep_size)
+    check_backend("triton_w4a8", tokens, topk, ep_size, "cpu", **CPU_DIMS)
+
+
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_kernels_in_the_pipeline_cpu(workspace_init, monkeypatch, ep_size):
+    """CPU tensors normally take the references; here the Triton kernels
+    (interpreted) run inside the experts pipeline."""
+    if CUDA:
+        pytest.skip("the GPU tests run the kernels")
+    calls = []
+
+    def interpreted(kernel):
+        def run(*args):
+            calls.append(kernel)
+            return kernel(*args)
+
+        return run
+
+    for name, kernel in (
+        ("grouped_gemm_w4a8_gated_reference", grouped_gemm_w4a8_gated),
+        ("grouped_gemm_w4a8_reference", grouped_gemm_w4a8),
+    ):
+        monkeypatch.setattr(triton_w4a8_moe, name, interpreted(kernel))
+    torch.manual_seed(ep_size)
+    check_backend("triton_w4a8", 5, 2, ep_size, "cpu", **CPU_DIMS)
+    assert calls == [grouped_gemm_w4a8_gated, grouped_gemm_w4a8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1024])
+@pytest.mark.parametrize("topk", [2, 8])
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_layer_matches_the_dense_reference_gpu(workspace_init, tokens, topk, ep_size):
+    torch.manual_seed(tokens + topk + ep_size)
+    check_backend("triton_w4a8", tokens, topk, ep_size, "cuda")
+
+
+def test_two_layers_share_one_permute_scratch(workspace_init, device):
+    moe = moe_config(device, scheme=QuantScheme.W4A8_UINT4, **CPU_DIMS)
+    layers = [make_layer(moe, device, "triton_w4a8", seed=i) for i in range(2)]
+    hidden = torch.randn(9, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    logits = torch.randn(9, moe.num_experts, device=device)
+    for layer in layers:
+        hidden = layer(hidden, logits)
+    assert not bool(hidden.isnan().any())
+    report = workspace_init.memory_report()
+    assert len(report.resources_of_type("MoEPermuteScratch")) == 1
+
+
+def test_limits_are_named(device):
+    odd = moe_config(device, scheme=QuantScheme.W4A8_UINT4, intermediate_size=64)
+    assert "groups of 128, got" in str(TritonExpertsW4A8.unsupported(odd, device))
+    fp8 = moe_config(device, scheme=QuantScheme.FP8_PER_TOKEN, **CPU_DIMS)
+    assert "w4a8_uint4" in str(TritonExpertsW4A8.unsupported(fp8, device))
+    moe = moe_config(device, scheme=QuantScheme.W4A8_UINT4, **CPU_DIMS)
+    w = torch.zeros(moe.num_local_experts, 1, 1, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"w13: expected torch\.uint8"):
+        TritonExpertsW4A8(moe, w, w.float(), w, w.float())

@@ -1,0 +1,173 @@
+"""W4A8 experts: uint4 weights in groups of 128 input columns, fp8
+activations per token, on this project's Triton W4A8 grouped GEMMs
+(:mod:`~vllm.model_executor.kernels.grouped_gemm.w4a8`).
+
+Weights as :func:`~vllm.model_executor.kernels.grouped_gemm.w4a8.quantize_w4`
+lays them out (w13's gate and up rows interleaved for GEMM1): half the bytes
+of the FP8 experts. Pipeline, on the shared permute scratch and the
+caller's workspaces, with no permuted copy of the activations and no
+[R, 2I] intermediate in memory:
+
+1. the tokens are quantized per row into workspace13 ([M, K] fp8 + scales);
+2. the routes are sorted by local expert (``moe_prepare_scatter``);
+3. GEMM1 reads each row's token straight from workspace13 through the
+   sort's destination -> route index and writes ``act(gate, up)`` [R, I]
+   into workspace2;
+4. a pass quantizes that per row into workspace13 (the tokens are dead);
+5. GEMM2 writes its rows into workspace2 (the activation is dead);
+6. the unpermute reduces each token's top-k rows into the output.
+
+CPU tensors take the kernels' plain-PyTorch references.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+import torch
+
+from vllm.model_executor.kernels.common.device_info import capability, runs_gpu_kernels
+from vllm.model_executor.kernels.grouped_gemm import (
+    deinterleave_gate_up,
+    interleave_gate_up,
+)
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
+    W4_GROUP,
+    dequantize_w4,
+    grouped_gemm_w4a8,
+    grouped_gemm_w4a8_gated,
+    grouped_gemm_w4a8_gated_reference,
+    grouped_gemm_w4a8_reference,
+    quantize_w4,
+)
+from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
+    carve_fp8_rows,
+    fp8_rows_bytes,
+)
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExperts,
+    Shape,
+    carve,
+    check_tensors,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    moe_prepare_scatter,
+    moe_unpermute,
+)
+
+
+class TritonExpertsW4A8(FusedMoEExperts):
+    supported_schemes = (QuantScheme.W4A8_UINT4,)
+
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> None:
+        """``w13`` [E, 2I, K / 2] (gate and up rows interleaved) and ``w2``
+        [E, K, I / 2] packed uint4, with fp32 scales per row and group."""
+        super().__init__(moe)
+        self.check_supported(moe, w13.device)
+        el, k, i = moe.num_local_experts, moe.hidden_size, moe.intermediate_size
+        check_tensors(
+            ("w13", w13, (el, 2 * i, k // 2), torch.uint8),
+            ("w13_scale", w13_scale, (el, 2 * i, k // W4_GROUP), torch.float32),
+            ("w2", w2, (el, k, i // 2), torch.uint8),
+            ("w2_scale", w2_scale, (el, k, i // W4_GROUP), torch.float32),
+        )
+        self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
+        self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
+
+    @classmethod
+    def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
+        """fp8 tensor cores on CUDA, and whole weight groups."""
+        reason = super().unsupported(moe, device)
+        if reason is not None:
+            return reason
+        have = capability(device)
+        if have is not None and have < (8, 9):
+            return (
+                f"device: {cls.__name__} needs compute capability (8, 9) or newer, "
+                f"got {device} with {have}"
+            )
+        if moe.hidden_size % W4_GROUP or moe.intermediate_size % W4_GROUP:
+            return (
+                f"hidden_size/intermediate_size: W4A8 weights come in groups of "
+                f"{W4_GROUP}, got {moe.hidden_size}/{moe.intermediate_size}"
+            )
+        return None
+
+    @classmethod
+    def from_unquantized(
+        cls, moe: FusedMoEConfig, w13: torch.Tensor, w2: torch.Tensor
+    ) -> Self:
+        cls.check_supported(moe, w13.device)
+        return cls(moe, *quantize_w4(interleave_gate_up(w13)), *quantize_w4(w2))
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            deinterleave_gate_up(dequantize_w4(self.w13, self.w13_scale)),
+            dequantize_w4(self.w2, self.w2_scale),
+        )
+
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+    ) -> tuple[Shape, Shape, Shape]:
+        rows, inter = M * topk, N // 2
+        # workspace13: the tokens in fp8, later the activation rows in fp8.
+        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
+        # workspace2: GEMM1's activation, later GEMM2's rows.
+        workspace2 = rows * max(inter, K) * self.moe.in_dtype.itemsize
+        return (workspace13,), (workspace2,), (M, K)
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        a1q_scale: torch.Tensor | None,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows, inter = topk_ids.numel(), moe.intermediate_size
+        num_tokens, hidden = hidden_states.shape
+        gpu = runs_gpu_kernels(hidden_states)
+        gated = grouped_gemm_w4a8_gated if gpu else grouped_gemm_w4a8_gated_reference
+        gemm = grouped_gemm_w4a8 if gpu else grouped_gemm_w4a8_reference
+        a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
+        quant_rows_fp8(hidden_states, a_q, a_scale)
+        scratch = self.permute_scratch(hidden_states.device)
+        offsets, inv = moe_prepare_scatter(topk_ids, expert_map, scratch)
+        act = carve(workspace2, (rows, inter), output.dtype)
+        gated(
+            a_q,
+            a_scale,
+            scratch.permuted_idx[:rows],
+            topk_ids.shape[1],
+            self.w13,
+            self.w13_scale,
+            offsets,
+            moe.activation,
+            act,
+        )
+        row_q, row_scale = carve_fp8_rows(workspace13, rows, inter)
+        # Rows past offsets[-1] (non-local routes) hold stale data: they are
+        # quantized too (their count is on the device) and never read again.
+        quant_rows_fp8(act, row_q, row_scale)
+        down = carve(workspace2, (rows, hidden), output.dtype)
+        gemm(row_q, row_scale, self.w2, self.w2_scale, offsets, down)
+        moe_unpermute(output, down, topk_weights, inv, offsets)
