@@ -1,6 +1,7 @@
 """The route-by-route decode kernels against their plain-PyTorch reference:
 poisoned outputs, repeated / first / last / invalid / non-local experts,
-fp8 weights with channel scales (CUDA), graph replay with new routing."""
+uint4 weights with group scales, fp8 weights with channel scales (CUDA),
+graph replay with new routing."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     moe_decode,
     moe_decode_reference,
 )
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 
 # CPU (interpreter) sizes stay tiny; CUDA runs qwen3-30b-a3b's.
 CPU_DIMS = dict(experts=6, hidden=64, inter=48, topk=3)
@@ -23,12 +25,13 @@ def dims(device):
     return CUDA_DIMS if device.type == "cuda" else CPU_DIMS
 
 
-def make_weights(device, dtype, experts, hidden, inter, fp8=False):
+def make_weights(device, dtype, experts, hidden, inter, fp8=False, w4=False):
     w13 = torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device=device) / inter**0.5
     w13 = interleave_gate_up(w13)
-    if fp8:
-        (w13, w13_scale), (w2, w2_scale) = map(per_channel_quant_fp8, (w13, w2))
+    if fp8 or w4:
+        quantize = quantize_w4 if w4 else per_channel_quant_fp8
+        (w13, w13_scale), (w2, w2_scale) = map(quantize, (w13, w2))
         return w13, w13_scale, w2, w2_scale
     return w13.to(dtype), None, w2.to(dtype), None
 
@@ -46,7 +49,7 @@ def routing(tokens, experts, topk, device, generator=None):
 
 def run_both(x, ids, weights, w13, w13_scale, w2, w2_scale, expert_map, config):
     tokens, hidden = x.shape
-    act = torch.full((ids.numel(), w2.shape[2]), float("nan"), device=x.device)
+    act = torch.full((ids.numel(), w13.shape[1] // 2), float("nan"), device=x.device)
     act = act.to(x.dtype)
     out = torch.full((tokens, hidden), float("nan"), device=x.device, dtype=x.dtype)
     args = (x, ids, weights, w13, w13_scale, w2, w2_scale, expert_map, "silu", act)
@@ -102,6 +105,31 @@ def test_invalid_and_non_local_experts_add_nothing(device):
     )
     torch.testing.assert_close(got, alone)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_uint4_weights_match_reference(device, tokens):
+    """Packed uint4 weights with a scale per row and group of 128 columns:
+    several groups per K step, a partial last step (hidden 384 in steps of
+    256), a non-local expert under a map."""
+    torch.manual_seed(tokens)
+    cuda = device.type == "cuda"
+    experts, hidden, inter, topk = (128, 2048, 768, 8) if cuda else (6, 384, 128, 3)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    w13, s13, w2, s2 = make_weights(device, dtype, experts, hidden, inter, w4=True)
+    assert w13.dtype == torch.uint8 and s13.shape == (experts, 2 * inter, hidden // 128)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    ids, weights = routing(tokens, experts, topk, device)
+    expert_map = torch.arange(experts, dtype=torch.int32, device=device)
+    expert_map[ids[0, 1]] = -1  # that route adds nothing
+    config = None if cuda else DecodeConfig(8, 256, 8, 256)
+    got, ref = run_both(x, ids, weights, w13, s13, w2, s2, expert_map, config)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+    with pytest.raises(ValueError, match="config: expected block_k multiples of 128"):
+        run_both(x, ids, weights, w13, s13, w2, s2, None, DecodeConfig(8, 64, 8, 64))
+    with pytest.raises(ValueError, match="w13_scale: expected contiguous"):
+        run_both(x, ids, weights, w13, s13[..., :1], w2, s2, None, config)
 
 
 def test_non_multiple_sizes_and_fp16(device):

@@ -1,6 +1,7 @@
 """TritonExpertsW4A8: the layer against the dense reference of its
-dequantized weights (CPU: the GEMMs' references, and once the interpreted
-kernels; GPU: the kernels), one permute scratch per slot, and its limits."""
+dequantized weights (CPU: the GEMMs' references, and once each the
+interpreted grouped and decode kernels; GPU: the kernels), one permute
+scratch per slot, and its limits."""
 
 import pytest
 import torch
@@ -57,6 +58,18 @@ def test_kernels_in_the_pipeline_cpu(workspace_init, monkeypatch, ep_size):
     torch.manual_seed(ep_size)
     check_backend("triton_w4a8", 5, 2, ep_size, "cpu", **CPU_DIMS)
     assert calls == [grouped_gemm_w4a8_gated, grouped_gemm_w4a8]
+
+
+def test_decode_kernels_in_the_pipeline_cpu(workspace_init, monkeypatch):
+    """Up to DECODE_MAX_TOKENS tokens the GPU path streams the packed weights
+    route by route (no sort, no fp8 activations): that path, interpreted."""
+    if CUDA:
+        pytest.skip("the GPU tests run it")
+    monkeypatch.setattr(triton_w4a8_moe, "runs_gpu_kernels", lambda t: True)
+    for name in ("grouped_gemm_w4a8_gated", "grouped_gemm_w4a8"):
+        monkeypatch.setattr(triton_w4a8_moe, name, None)  # the decode path only
+    torch.manual_seed(3)
+    check_backend("triton_w4a8", 3, 2, 4, "cpu", **CPU_DIMS)
 
 
 @pytest.mark.gpu

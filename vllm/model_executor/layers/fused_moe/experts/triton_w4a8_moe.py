@@ -17,6 +17,11 @@ caller's workspaces, with no permuted copy of the activations and no
 5. GEMM2 writes its rows into workspace2 (the activation is dead);
 6. the unpermute reduces each token's top-k rows into the output.
 
+Decode batches (up to ``DECODE_MAX_TOKENS`` tokens) skip all of it but the
+GEMMs: :mod:`~vllm.model_executor.kernels.grouped_gemm.decode` streams the
+packed weights route by route against the unquantized tokens (w4a16: no
+activation quantization, no sort) and runs GEMM2 with the unpermute.
+
 CPU tensors take the kernels' plain-PyTorch references.
 """
 
@@ -28,8 +33,10 @@ import torch
 
 from vllm.model_executor.kernels.common.device_info import capability, runs_gpu_kernels
 from vllm.model_executor.kernels.grouped_gemm import (
+    DECODE_MAX_TOKENS,
     deinterleave_gate_up,
     interleave_gate_up,
+    moe_decode,
 )
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     W4_GROUP,
@@ -60,6 +67,8 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 
 class TritonExpertsW4A8(FusedMoEExperts):
     supported_schemes = (QuantScheme.W4A8_UINT4,)
+    # Token counts up to this take the decode kernels (benchmarks lower it).
+    decode_max_tokens: int = DECODE_MAX_TOKENS
 
     def __init__(
         self,
@@ -146,6 +155,22 @@ class TritonExpertsW4A8(FusedMoEExperts):
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
         gpu = runs_gpu_kernels(hidden_states)
+        if gpu and num_tokens <= self.decode_max_tokens:
+            act = carve(workspace2, (rows, inter), output.dtype)
+            moe_decode(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                self.w13,
+                self.w13_scale,
+                self.w2,
+                self.w2_scale,
+                expert_map,
+                moe.activation,
+                act,
+                output,
+            )
+            return
         gated = grouped_gemm_w4a8_gated if gpu else grouped_gemm_w4a8_gated_reference
         gemm = grouped_gemm_w4a8 if gpu else grouped_gemm_w4a8_reference
         a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
