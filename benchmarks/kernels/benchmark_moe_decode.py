@@ -1,6 +1,7 @@
 """The MoE layer at decode sizes against the bytes it must read.
 
-For bf16 (``triton``) and fp8 (``triton_fp8``) experts at each token count:
+For bf16 (``triton``), fp8 (``triton_fp8``) and uint4 (``triton_w4a8``)
+experts at each token count:
 the layer as the model calls it (routing from logits, then the modular
 kernel), timed under CUDA-graph replay, once on the decode kernels
 (route by route, :mod:`~vllm.model_executor.kernels.grouped_gemm.decode`)
@@ -34,6 +35,9 @@ from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.experts.triton_w4a8_moe import (
+    TritonExpertsW4A8,
+)
 from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -45,7 +49,9 @@ from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_man
 SCHEMES = {
     "bf16": ("triton", QuantScheme.UNQUANTIZED),
     "fp8": ("triton_fp8", QuantScheme.FP8_PER_TOKEN),
+    "w4a8": ("triton_w4a8", QuantScheme.W4A8_UINT4),
 }
+DecodeExperts = TritonExperts | TritonExpertsFp8 | TritonExpertsW4A8
 ITERS = 20  # layer calls per graph, each with its own routing
 
 
@@ -90,7 +96,7 @@ def bench(
     w13 = (torch.randn(e, 2 * i, k, device=device) / k**0.5).bfloat16()
     w2 = (torch.randn(e, k, i, device=device) / i**0.5).bfloat16()
     experts = make_experts(moe, w13, w2, backend)
-    assert isinstance(experts, TritonExperts | TritonExpertsFp8)
+    assert isinstance(experts, DecodeExperts)
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     hidden = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
     logits = torch.randn(ITERS, tokens, e, device=device)
@@ -107,8 +113,12 @@ def bench(
     launches = {name: count_launches(step) for name, step in steps.items()}
     ids = [fused_topk(hidden, logits[it], args.topk, True)[1] for it in range(ITERS)]
     distinct = sum(len(x.unique()) for x in ids) / ITERS
-    itemsize = 1 if label == "fp8" else 2
-    expert_bytes = 3 * i * k * itemsize + (3 * i + k) * 4 * (label == "fp8")
+    # weights and their fp32 scales: per channel (fp8), per group of 128 (w4a8)
+    expert_bytes = {
+        "bf16": 3 * i * k * 2,
+        "fp8": 3 * i * k + (3 * i + k) * 4,
+        "w4a8": 3 * i * k // 2 + 3 * i * k // 128 * 4,
+    }[label]
     bound_us = distinct * expert_bytes / (bandwidth * 1e9) * 1e6
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["sorted"],
@@ -119,7 +129,7 @@ def bench(
 
 
 def sweep_tiles(
-    experts: TritonExperts | TritonExpertsFp8,
+    experts: DecodeExperts,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
 ) -> dict[str, float]:
@@ -136,6 +146,8 @@ def sweep_tiles(
         (8, 16, 32), (128, 256, 512), (4, 8, 16), (64, 128, 256), (4,)
     ):
         config = DecodeConfig(gn, gk, dn, dk, warps)
+        if isinstance(experts, TritonExpertsW4A8) and (gk % 128 or dk % 128):
+            continue  # uint4 weights step K in whole groups
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(

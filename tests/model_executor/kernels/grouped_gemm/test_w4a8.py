@@ -2,6 +2,8 @@
 kernels run interpreted), the weight format's round trip, and the named
 argument errors."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_bad_arguments_are_named(device):
     w, w_scale = _weights(2, 32, 128, device)
     offsets = torch.tensor([0, 2, 4], device=device)
     out = torch.empty(4, 32, device=device, dtype=torch.bfloat16)
-    good = {"a": a, "a_scale": a_scale, "w": w, "w_scale": w_scale,
+    good: dict[str, Any] = {"a": a, "a_scale": a_scale, "w": w, "w_scale": w_scale,
             "expert_first_token_offset": offsets, "out": out}  # fmt: skip
     for name, bad, message in (
         ("a", a.float(), "a: expected fp8 e4m3 rows"),
