@@ -1,5 +1,6 @@
 """Process groups over real gloo worlds: layout, collectives, teardown,
-errors named, and a silent peer ends in an error within the timeout."""
+errors named, a communicator per ubatch, and a silent peer ends in an error
+within the timeout."""
 
 import time
 from datetime import timedelta
@@ -22,6 +23,7 @@ from vllm.distributed import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
+from vllm.v1.worker.ubatching import run_ubatches, ubatch_context
 
 
 @pytest.fixture
@@ -148,6 +150,43 @@ def test_four_rank_layout_and_collectives():
         ]
         assert r["dp_after_reinit"] == [0, 1, 2, 3]
         assert r["sum_after_reinit"] == 4.0
+
+
+def _ubatch_worker(rank: int, world_size: int, port: int) -> dict:
+    init_gloo_world(rank, world_size, port)
+    try:
+        initialize_model_parallel(data_parallel_size=world_size, num_ubatches=2)
+        ep = get_ep_group()
+
+        def ubatch(scale: float, delay: float) -> list[float]:
+            # The ranks reach their collectives in opposite ubatch order: on a
+            # shared communicator rank 0's ubatch 0 would meet rank 1's ubatch 1.
+            time.sleep(delay)
+            return [
+                ep.all_reduce(torch.full((1,), scale * (rank + 1) + i)).item()
+                for i in range(3)
+            ]
+
+        late = 0.3 if rank == 0 else 0.0
+        sums = run_ubatches(
+            [lambda: ubatch(1.0, late), lambda: ubatch(100.0, 0.3 - late)]
+        )
+        destroy_model_parallel()
+        initialize_model_parallel(data_parallel_size=world_size)
+        with ubatch_context(1), pytest.raises(RuntimeError) as info:
+            get_ep_group().all_reduce(torch.ones(1))
+        return {"sums": sums, "error": str(info.value)}
+    finally:
+        destroy_distributed_environment()
+
+
+def test_each_ubatch_has_its_own_communicator():
+    for r in values(run_workers(_ubatch_worker, 2)):
+        # ubatch 0: 1 + 2 (+ 2i), ubatch 1: 100 + 200 (+ 2i)
+        assert r["sums"] == [[3.0, 5.0, 7.0], [300.0, 302.0, 304.0]]
+        assert r["error"].startswith(
+            "ubatch 1: the ep group has communicators for 1 ubatches"
+        )
 
 
 def _silent_peer_worker(rank: int, world_size: int, port: int) -> float:

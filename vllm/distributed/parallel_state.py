@@ -8,6 +8,14 @@ groups laid out as vLLM's, ranks = dp x tp:
 - data-parallel groups: one rank of each tensor-parallel group (stride tp);
 - the expert-parallel group: all dp x tp ranks.
 
+Dual-batch overlap runs two micro-batches (ubatches) of a step on two
+threads, each calling the MoE layers' collectives. Collectives on one
+communicator from two threads could pair ubatch 0 of one rank with ubatch 1
+of another, so ``initialize_model_parallel(num_ubatches=2)`` gives the
+expert-parallel group (the only one a forward pass calls) a communicator per
+ubatch, and a collective runs on the one of the calling thread's ubatch
+(:func:`~vllm.v1.worker.ubatching.dbo_current_ubatch_id`).
+
 Each group is a :class:`GroupCoordinator`, read with ``get_world_group()``,
 ``get_tp_group()``, ``get_dp_group()``, ``get_ep_group()``;
 :func:`destroy_model_parallel` and :func:`destroy_distributed_environment`
@@ -36,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from vllm import envs
 from vllm.logger import init_logger
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 logger = init_logger(__name__)
 
@@ -85,6 +94,8 @@ class GroupCoordinator:
     backend: str
     device: torch.device
     timeout: timedelta
+    # The communicators of ubatches 1, 2, ... (ubatch 0 has device_group).
+    ubatch_groups: tuple[ProcessGroup, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -94,10 +105,24 @@ class GroupCoordinator:
     def rank_in_group(self) -> int:
         return self.ranks.index(self.rank)
 
-    def _run(self, op: str, call: Callable[[ProcessGroup], T]) -> T:
+    def _group(self) -> ProcessGroup:
+        """The communicator of the calling thread's ubatch."""
         assert self.device_group is not None
+        ubatch = dbo_current_ubatch_id()
+        if ubatch == 0:
+            return self.device_group
+        if ubatch > len(self.ubatch_groups):
+            raise RuntimeError(
+                f"ubatch {ubatch}: the {self.name} group has communicators for "
+                f"{1 + len(self.ubatch_groups)} ubatches; dual-batch overlap "
+                f"needs initialize_model_parallel(num_ubatches=2)"
+            )
+        return self.ubatch_groups[ubatch - 1]
+
+    def _run(self, op: str, call: Callable[[ProcessGroup], T]) -> T:
+        group = self._group()
         try:
-            return call(self.device_group)
+            return call(group)
         except RuntimeError as e:
             raise CollectiveError(
                 f"{op} in the {self.name} group (ranks {self.ranks}) failed on "
@@ -203,7 +228,9 @@ class GroupCoordinator:
             dist.group.WORLD
         ):
             dist.destroy_process_group(self.device_group)
-        self.device_group = None
+        for group in self.ubatch_groups:
+            dist.destroy_process_group(group)
+        self.device_group, self.ubatch_groups = None, ()
 
 
 @dataclass
@@ -302,18 +329,27 @@ def get_world_group() -> GroupCoordinator:
 
 
 def _make_groups(
-    name: str, rank_lists: list[list[int]], world: GroupCoordinator
+    name: str,
+    rank_lists: list[list[int]],
+    world: GroupCoordinator,
+    num_ubatches: int = 1,
 ) -> GroupCoordinator:
-    """This process's group among ``rank_lists``. Every rank walks every
-    list in the same order, as ``new_group`` requires."""
+    """This process's group among ``rank_lists``, with a communicator per
+    ubatch. Every rank walks every list in the same order, as ``new_group``
+    requires."""
     mine: GroupCoordinator | None = None
+
+    def new_group(ranks: list[int]) -> ProcessGroup:
+        return dist.new_group(ranks, timeout=world.timeout, backend=world.backend)
+
     for ranks in rank_lists:
+        extra: tuple[ProcessGroup, ...] = ()
         if len(ranks) == 1:
             pg = None  # no peers: collectives are identities
-        elif ranks == world.ranks:
-            pg = world.device_group  # one communicator, not two, for the same ranks
         else:
-            pg = dist.new_group(ranks, timeout=world.timeout, backend=world.backend)
+            # the world's ranks: its communicator, not a second one
+            pg = world.device_group if ranks == world.ranks else new_group(ranks)
+            extra = tuple(new_group(ranks) for _ in range(num_ubatches - 1))
         if world.rank in ranks:
             mine = GroupCoordinator(
                 name=name,
@@ -323,16 +359,20 @@ def _make_groups(
                 backend=world.backend,
                 device=world.device,
                 timeout=world.timeout,
+                ubatch_groups=extra,
             )
     assert mine is not None
     return mine
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, data_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    num_ubatches: int = 1,
 ) -> None:
     """Carve the world into tensor-, data- and expert-parallel groups
-    (ranks = dp x tp; see the module docstring)."""
+    (ranks = dp x tp), the expert-parallel one with a communicator per
+    ubatch (see the module docstring)."""
     global _GROUPS
     world = get_world_group()
     if _GROUPS is not None:
@@ -343,6 +383,7 @@ def initialize_model_parallel(
     tp, dp = tensor_model_parallel_size, data_parallel_size
     _check_positive("tensor_model_parallel_size", tp)
     _check_positive("data_parallel_size", dp)
+    _check_positive("num_ubatches", num_ubatches)
     if tp * dp != world.world_size:
         raise ValueError(
             f"tensor_model_parallel_size x data_parallel_size: expected the "
@@ -352,7 +393,7 @@ def initialize_model_parallel(
     _GROUPS = _ParallelGroups(
         tp=_make_groups("tp", grid.tolist(), world),
         dp=_make_groups("dp", grid.t().tolist(), world),
-        ep=_make_groups("ep", [grid.flatten().tolist()], world),
+        ep=_make_groups("ep", [grid.flatten().tolist()], world, num_ubatches),
     )
 
 
