@@ -3,8 +3,8 @@
 #   scripts/run_gpu_checks.sh [pytest selection...]
 # Installs wheels carried in .whl/ first (e.g. humming-kernels), writes logs
 # under $OUT when set (else ./out), and ends with a summary table.
-# Knobs: SKIP_TESTS=1, GPU_TESTS_ONLY (1: skip the tests that never touch the
-# GPU, CI runs them; empty: all), GPU_BENCHMARKS="<files>" (empty: none),
+# Knobs: SKIP_TESTS=1, GPU_TESTS_ONLY (1, the default: skip the tests that
+# never touch the GPU, CI runs them; 0: all), GPU_BENCHMARKS="<files>" (empty: none),
 # SKIP_MEMORY_REPORT=1, TUNING="<benchmarks/tuning script names>" (default none),
 # TEST_TIMEOUT_S (480), BENCH_TIMEOUT_S (150 each),
 # PYTEST_WORKERS (16). The whole run takes more than one 10-minute device
@@ -55,7 +55,7 @@ own_group() {  # own_group COMMAND...: run it as a process group of its own, the
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-16}")
 if [ -z "${SKIP_TESTS:-}" ]; then
-    # The tests that touch the GPU (all with GPU_TESTS_ONLY empty): those
+    # The tests that touch the GPU (all with GPU_TESTS_ONLY=0): those
     # marked gpu and the shared tests, which the `device` fixture runs on
     # the GPU here. Bounded, and its xdist workers are
     # killed afterwards so no straggler shares the GPU with the benchmarks.

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    elif os.environ.get("GPU_TESTS_ONLY"):
+    elif os.environ.get("GPU_TESTS_ONLY") == "1":
         # The device's minutes are scarce, and CI's CPU run covers the tests
         # that never touch the GPU: run those marked gpu and those taking
         # the device fixture (CUDA here).

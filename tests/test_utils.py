@@ -12,9 +12,9 @@ def test_align_up(n, multiple, expected):
     assert align_up(n, multiple) == expected
 
 
-def test_canonical_device_fills_the_cuda_index():
+def test_canonical_device_fills_the_cuda_index(device):
     assert canonical_device("cpu") == torch.device("cpu")
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         assert canonical_device("cuda") == torch.device(
             "cuda", torch.cuda.current_device()
         )

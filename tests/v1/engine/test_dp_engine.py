@@ -1,9 +1,9 @@
 """Data + expert parallelism through ``LLM`` on 2 real gloo ranks (this
 process and one spawned worker), tiny Qwen3-MoE in fp32 on the CPU: the
 same greedy tokens as one process (both all2all backends, with a rank that
-gets no request), ``AsyncLLM`` unchanged over it, aborts freeing another
-rank's blocks, a killed worker failing rank 0 within the timeout, and the
-configuration refusals."""
+gets no request, and with dual-batch overlap), ``AsyncLLM`` unchanged over
+it, aborts freeing another rank's blocks, a killed worker failing rank 0
+within the timeout, and the configuration refusals."""
 
 import asyncio
 import os
@@ -24,7 +24,7 @@ from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.engine.dp_engine import DPEngineCore, DPEngineDeadError
 from vllm.v1.request import Request
-from vllm.v1.worker.workspace import reset_workspace_manager
+from vllm.v1.worker.workspace import current_workspace_manager, reset_workspace_manager
 
 ARGS: dict[str, Any] = {
     "dtype": "float32",
@@ -123,6 +123,27 @@ class TestLockstep:
         assert engine.stats().kv_cache_usage == 0
 
 
+def test_dual_batch_overlap_changes_no_token(checkpoint, reference):
+    """enable_dbo: every rank's step as two micro-batches on two threads,
+    each with its own workspace slot and communicator (a step of one
+    request leaves one micro-batch empty: it runs a dummy forward); rank 0
+    holds one permute scratch per ubatch slot."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, **ARGS, **DP, enable_dbo=True)
+    try:
+        assert token_ids(llm, PROMPTS, PARAMS) == reference
+        assert token_ids(llm, PROMPTS[1:2], PARAMS[1:2]) == reference[1:2]
+        report = current_workspace_manager().memory_report()
+        scratches = [
+            sum(r.type_name == "MoEPermuteScratch" for r in slot.resources)
+            for slot in report.slots
+        ]
+        assert scratches == [1, 1]
+    finally:
+        dp_engine(llm).shutdown()
+        reset_workspace_manager()
+
+
 def test_a_killed_worker_makes_rank_0_raise_within_the_timeout(checkpoint):
     llm = LLM(checkpoint, **ARGS, **DP, distributed_timeout_s=10.0)
     engine = dp_engine(llm)
@@ -153,6 +174,8 @@ def test_configurations_are_checked(checkpoint):
         EngineConfig(checkpoint, data_parallel_size=2)
     with pytest.raises(ValueError, match="all2all_backend: expected one of"):
         EngineConfig(checkpoint, **DP, all2all_backend="naive")
+    with pytest.raises(ValueError, match="enable_dbo: needs data_parallel_size > 1"):
+        EngineConfig(checkpoint, enable_dbo=True)
     with pytest.raises(ValueError, match="data_parallel_size: expected >= 1"):
         EngineConfig(checkpoint, data_parallel_size=0)
     # One rank holds every expert: expert parallelism is a no-op.

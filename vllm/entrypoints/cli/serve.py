@@ -152,6 +152,13 @@ def add_serve_parser(
         "(default: %(default)s).",
     )
     parser.add_argument(
+        "--enable-dbo",
+        action="store_true",
+        help="Dual-batch overlap under expert parallelism: each step as two "
+        "micro-batches, one's token exchange overlapping the other's compute "
+        "(default: off).",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         choices=LOG_LEVELS,
         default="info",

@@ -249,6 +249,7 @@ def build_async_engine(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         all2all_backend=args.all2all_backend,
+        enable_dbo=args.enable_dbo,
     )
     return AsyncLLM(MPClient(config), tokenizer, stat_logger)
 

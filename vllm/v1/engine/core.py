@@ -81,6 +81,9 @@ class EngineConfig:
     # schedule and fill step N + 1 while the GPU runs step N (one data-parallel
     # rank only; a request that stops computes one token past its end)
     async_scheduling: bool = False
+    # dual-batch overlap: every step as two micro-batches on two threads, one's
+    # token exchange overlapping the other's compute (expert parallelism only)
+    enable_dbo: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -103,6 +106,14 @@ class EngineConfig:
             raise ValueError(
                 "async_scheduling: not supported with data_parallel_size > 1 "
                 "(the ranks step in lockstep)"
+            )
+        if self.enable_dbo and not self.expert_parallel:
+            raise ValueError(
+                f"enable_dbo: needs data_parallel_size > 1 with "
+                f"enable_expert_parallel (the micro-batches overlap the ranks' "
+                f"token exchange), got data_parallel_size="
+                f"{self.data_parallel_size}, enable_expert_parallel="
+                f"{self.enable_expert_parallel}"
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(
@@ -163,9 +174,16 @@ class EngineCore:
         # Checked before loading; None without expert parallelism.
         self.ep_group = self._expert_parallel_group()
         torch.manual_seed(config.seed)
+        num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
-            init_workspace_manager(self.device)
+            init_workspace_manager(self.device, num_ubatches=num_ubatches)
         manager = current_workspace_manager()
+        if manager.num_ubatches < num_ubatches:
+            raise ValueError(
+                f"enable_dbo: the process's workspace manager has "
+                f"{manager.num_ubatches} ubatch slot(s), the micro-batches need "
+                f"{num_ubatches}; reset_workspace_manager() first"
+            )
         # Another engine of this process may have locked it: this one warms
         # up too (the slots are shared; engines run one at a time). Locked
         # again whatever happens.
@@ -192,6 +210,11 @@ class EngineCore:
                 f"group of that size in every rank, got "
                 f"{'none' if group is None else group.world_size}; build the "
                 f"engine with DPEngineCore or LLM(data_parallel_size=...)"
+            )
+        if config.enable_dbo and not group.ubatch_groups:
+            raise ValueError(
+                "enable_dbo: the expert-parallel group has one communicator; "
+                "the micro-batches need initialize_model_parallel(num_ubatches=2)"
             )
         return group
 
@@ -228,6 +251,7 @@ class EngineCore:
             # The token exchange reads per-rank counts on the host, which a
             # replayed graph would not.
             config.enforce_eager or ep_group is not None,
+            dbo=config.enable_dbo,
         )
         self.runner.profile_run()
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(
@@ -346,6 +370,5 @@ class EngineCore:
         """One token through the model outside any batch (no KV cache, no
         sampling): an idle data-parallel rank's share of a step, which calls
         every MoE layer as the busy ranks' steps do."""
-        token = torch.zeros(1, dtype=torch.long, device=self.device)
         with self.runner.on_stream():
-            self.model(token, token)
+            self.runner.execute_dummy()

@@ -216,7 +216,8 @@ def _join_world(config: EngineConfig, rank: int, port: int) -> _ControlGroups:
         backend="nccl" if cuda else "gloo",
         timeout=timeout,
     )
-    initialize_model_parallel(1, config.data_parallel_size)
+    num_ubatches = 2 if config.enable_dbo else 1
+    initialize_model_parallel(1, config.data_parallel_size, num_ubatches)
     return _ControlGroups.create(timeout)
 
 

@@ -20,19 +20,32 @@ read the step from persistent input buffers that every step fills:
 - steps with prefill, by tokens (the largest is the token budget): the
   request count is always ``max_num_seqs``, the padding requests have no
   tokens, and the padding tokens belong to no request (their keys and
-  values go to the null block, their rows are never read). These graphs
+  values go to the null block, their attention rows are zeros, their
+  outputs are never read). These graphs
   end at the hidden states of the sampling rows; the head runs after the
   replay (a graph's outputs stay allocated, and a logits tensor per graph
   of up to ``max_num_seqs`` rows would cost GiBs).
 
 An eager step there takes tens of milliseconds of host time for its
 launches alone (48 layers), several times the GPU's share of a mixed step.
+
+Dual-batch overlap (``dbo``, expert parallelism: eager steps): a step's
+requests split into two micro-batches of about equal tokens, each run on its
+own thread (:func:`~vllm.v1.worker.ubatching.run_ubatches`: its workspace
+slot and, in the expert-parallel group, its communicator) and CUDA stream,
+so that one's token exchange overlaps the other's compute. A micro-batch
+without requests runs a one-token forward: every rank calls every MoE
+layer's collectives once per ubatch. The profile run grows both slots to
+the whole token budget (one request may fill a micro-batch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -44,8 +57,11 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk
+from vllm.v1.worker.ubatching import run_ubatches, ubatch_context
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 _CPU_FULL_SEQUENCES = 16
 
@@ -85,12 +101,18 @@ class GPUModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         enforce_eager: bool,
+        dbo: bool = False,
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enforce_eager = enforce_eager
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # one stream per micro-batch under dual-batch overlap
+        self.ubatch_streams = [
+            torch.cuda.Stream(device) if device.type == "cuda" else None
+            for _ in range(2 if dbo else 0)
+        ]
         if self.stream is not None:  # the weights were written on the default one
             self.stream.wait_stream(torch.cuda.current_stream(device))
         tokens, seqs = max_num_batched_tokens, max_num_seqs
@@ -141,8 +163,16 @@ class GPUModelRunner:
             ids = torch.zeros(budget, dtype=torch.long, device=self.device)
             positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
             rows = min(self.max_num_seqs, budget)
-            with set_forward_context(meta):
-                self.model.compute_logits(self.model(ids, positions)[-rows:])
+
+            def forward() -> None:
+                with set_forward_context(meta):
+                    self.model.compute_logits(self.model(ids, positions)[-rows:])
+
+            if not self.ubatch_streams:
+                forward()
+            for ubatch in range(len(self.ubatch_streams)):  # one after the other
+                with ubatch_context(ubatch):
+                    self._as_ubatch(ubatch, forward)()
         self._synchronize()
         for layer in self._attention_layers():
             layer.kv_cache = None  # the profile run's cache goes first
@@ -229,6 +259,8 @@ class GPUModelRunner:
             end += chunk.end - chunk.start
             if chunk.samples:
                 ends.append(end - 1)
+        if self.ubatch_streams:
+            return self._execute_ubatches(chunks, ends)
         if num_tokens == num_seqs:  # decode
             size = min((s for s in self.graphs if s >= num_seqs), default=None)
             if size is not None:
@@ -260,6 +292,79 @@ class GPUModelRunner:
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """One token through the model outside any batch, per micro-batch
+        (no KV cache, no logits): an idle data-parallel rank's share of a
+        step, which calls every MoE layer as the busy ranks' steps do. Call
+        inside ``on_stream()``."""
+        if self.ubatch_streams:
+            self._run_ubatches([self._dummy_forward] * len(self.ubatch_streams))
+        else:
+            self._dummy_forward()
+
+    def _dummy_forward(self) -> None:
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.model(token, token)
+
+    def _execute_ubatches(
+        self, chunks: list[ScheduledChunk], ends: list[int]
+    ) -> torch.Tensor:
+        """The step (its inputs filled) as two micro-batches of about equal
+        tokens: the logits of both, in order."""
+        lens = [c.end - c.start for c in chunks]
+        total, split = sum(lens), len(chunks)
+        if len(chunks) > 1:  # the cut nearest half the tokens
+            cuts = [sum(lens[:k]) for k in range(1, len(chunks))]
+            split = 1 + min(range(len(cuts)), key=lambda k: abs(2 * cuts[k] - total))
+        prefix = sum(lens[:split])
+
+        def forward(s0: int, s1: int, t0: int, t1: int) -> torch.Tensor | None:
+            if s0 == s1:  # no request: this ubatch's share of the collectives
+                self._dummy_forward()
+                return None
+            meta = PagedAttentionMetadata(
+                query_start_loc=self.query_start_loc[s0 : s1 + 1] - t0,
+                seq_lens=self.seq_lens[s0:s1],
+                block_table=self.block_table[s0:s1],
+                slot_mapping=self.slot_mapping[t0:t1],
+                block_size=self.block_size,
+                max_query_len=max(lens[s0:s1]),
+            )
+            rows = self._rows([e - t0 for e in ends if t0 <= e < t1])
+            with set_forward_context(meta):
+                hidden = self.model(self.input_ids[t0:t1], self.positions[t0:t1])
+                return self.model.compute_logits(hidden[rows])
+
+        parts = ((0, split, 0, prefix), (split, len(chunks), prefix, total))
+        logits = self._run_ubatches([partial(forward, *part) for part in parts])
+        return torch.cat([part for part in logits if part is not None])
+
+    def _as_ubatch(self, ubatch: int, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` as micro-batch ``ubatch`` runs it: in inference mode (a
+        thread's own setting) on its stream, after the work the calling
+        stream holds so far (the step's inputs)."""
+        stream, caller = self.ubatch_streams[ubatch], self.stream
+
+        def call() -> T:
+            if stream is None or caller is None:
+                with torch.inference_mode():
+                    return fn()
+            stream.wait_stream(caller)
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                return fn()
+
+        return call
+
+    def _run_ubatches(self, fns: list[Callable[[], T]]) -> list[T]:
+        """``fns[i]`` as micro-batch i, concurrently; the calling stream
+        then waits for theirs."""
+        results = run_ubatches([self._as_ubatch(i, fn) for i, fn in enumerate(fns)])
+        for stream in self.ubatch_streams:
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+        return results
 
     def _fill_inputs(self, chunks: list[ScheduledChunk], pool: BlockPool) -> int:
         """Write the step into the persistent buffers; returns its tokens.

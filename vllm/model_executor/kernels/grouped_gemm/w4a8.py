@@ -69,7 +69,7 @@ def quantize_w4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise arg_error("w", f"K a multiple of {W4_GROUP}, got shape {list(w.shape)}")
     groups = w.float().unflatten(-1, (-1, W4_GROUP))
     scale = groups.abs().amax(-1).clamp_min(1e-12) / 7
-    q = (groups / scale[..., None]).round().clamp(-8, 7).to(torch.uint8) + 8
+    q = ((groups / scale[..., None]).round().clamp(-8, 7) + 8).to(torch.uint8)
     q = q.flatten(-2)
     return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous(), scale.contiguous()
 

@@ -256,7 +256,11 @@ def triton_paged_attention(
             f"q/max_query_len: expected a contiguous head_size and >= 1, got "
             f"{q.stride()} and {max_query_len}"
         )
-    out = q.new_empty(tokens, heads, head_dim)
+    # A step with prefill may be a CUDA graph padded past its last request:
+    # no program writes those rows, and zeros keep them finite (garbage could
+    # be NaN, and NaN rows all route to the same experts).
+    new = q.new_zeros if max_query_len > 1 else q.new_empty
+    out = new(tokens, heads, head_dim)
     if tokens == 0:
         return out.view(0, heads * head_dim)
     group = heads // kv_heads
