@@ -123,13 +123,16 @@ class TestLockstep:
         assert engine.stats().kv_cache_usage == 0
 
 
-def test_dual_batch_overlap_changes_no_token(checkpoint, reference):
+@pytest.mark.parametrize("all2all_backend", ALL2ALL_BACKENDS)
+def test_dual_batch_overlap_changes_no_token(checkpoint, reference, all2all_backend):
     """enable_dbo: every rank's step as two micro-batches on two threads,
     each with its own workspace slot and communicator (a step of one
     request leaves one micro-batch empty: it runs a dummy forward); rank 0
     holds one permute scratch per ubatch slot."""
     reset_workspace_manager()
-    llm = LLM(checkpoint, **ARGS, **DP, enable_dbo=True)
+    llm = LLM(
+        checkpoint, **ARGS, **DP, enable_dbo=True, all2all_backend=all2all_backend
+    )
     try:
         assert token_ids(llm, PROMPTS, PARAMS) == reference
         assert token_ids(llm, PROMPTS[1:2], PARAMS[1:2]) == reference[1:2]
