@@ -16,15 +16,16 @@ read the step from persistent input buffers that every step fills:
 
 - pure-decode steps (every request computes one token), by requests: the
   padding rows are requests of one token whose key and value go to the null
-  block, one cache block past the pool's (no request ever owns it);
+  block, one cache block past the pool's (no request ever owns it). Their
+  logits land in rows of one buffer that all of them share (a graph's
+  outputs stay allocated: a logits tensor per graph cost 1.3 GB at 256
+  sequences and Qwen3's vocabulary);
 - steps with prefill, by tokens (the largest is the token budget): the
   request count is always ``max_num_seqs``, the padding requests have no
   tokens, and the padding tokens belong to no request (their keys and
   values go to the null block, their attention rows are zeros, their
-  outputs are never read). These graphs
-  end at the hidden states of the sampling rows; the head runs after the
-  replay (a graph's outputs stay allocated, and a logits tensor per graph
-  of up to ``max_num_seqs`` rows would cost GiBs).
+  outputs are never read). These graphs end at the hidden states of the
+  sampling rows, and the head runs after the replay.
 
 An eager step there takes tens of milliseconds of host time for its
 launches alone (48 layers), several times the GPU's share of a mixed step.
@@ -224,15 +225,18 @@ class GPUModelRunner:
                     hidden = self._forward_sampling_rows(size, meta)
                 pool = graph.pool()
                 self.mixed_graphs[size] = _StepGraph(graph, hidden)
+            shared_logits: torch.Tensor | None = None
             for size in decode_sizes:
                 self._fill_decode_padding(0, size)
                 meta = self._metadata(size, size, max_query_len=1)
-                self._forward_logits(size, meta)
+                logits = self._forward_logits(size, meta)
+                if shared_logits is None:  # the largest size comes first
+                    shared_logits = torch.empty_like(logits)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    logits = self._forward_logits(size, meta)
+                    shared_logits[:size].copy_(self._forward_logits(size, meta))
                 pool = graph.pool()
-                self.graphs[size] = _StepGraph(graph, logits)
+                self.graphs[size] = _StepGraph(graph, shared_logits[:size])
         self._synchronize()
         logger.info(
             "captured CUDA graphs: steps with prefill of %s tokens, decode "
