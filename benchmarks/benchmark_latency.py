@@ -24,7 +24,12 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
-from vllm.benchmarks.utils import copy_bandwidth_gbps, write_results
+from vllm.benchmarks.utils import (
+    add_parallel_args,
+    copy_bandwidth_gbps,
+    parallel_engine_args,
+    write_results,
+)
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -82,6 +87,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--num-iters", type=int, default=3)
+    add_parallel_args(parser)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,6 +103,7 @@ def main() -> None:
             max_model_len=args.input_len + args.output_len,
             max_num_seqs=args.batch_size,
             max_num_batched_tokens=max(args.batch_size * args.input_len, 256),
+            **parallel_engine_args(args),
         )
     vocab = llm.engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
+from vllm.benchmarks.utils import add_parallel_args, parallel_flags
 from vllm.entrypoints.serve_process import ServeProcess
 
 HERE = Path(__file__).resolve().parent
@@ -49,8 +50,11 @@ def num_requests(args: argparse.Namespace, concurrency: int) -> int:
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's flags, as ``vllm serve`` and ``benchmark_throughput.py``
+    spell them alike."""
     flags = ["--dtype", args.dtype]
     flags += ["--async-scheduling"] if args.async_scheduling else []
+    flags += parallel_flags(args)
     return flags + (["--quantization", args.quantization] if args.quantization else [])
 
 
@@ -142,6 +146,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
     parser.add_argument("--async-scheduling", action="store_true")
+    add_parallel_args(parser)
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=Path("out/serving_sweep"))
     parser.add_argument("--no-plot", action="store_true")

@@ -25,7 +25,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.benchmarks.presets import MODEL_PRESETS, write_preset_config
-from vllm.benchmarks.utils import write_results
+from vllm.benchmarks.utils import add_parallel_args, parallel_engine_args, write_results
 from vllm.transformers_utils.config import load_hf_config
 from vllm.v1.engine.core_client import LoopTimes
 from vllm.v1.request import Request
@@ -62,6 +62,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        **parallel_engine_args(args),
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[: min(len(prompts), 4)], params)  # warm-up
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    add_parallel_args(parser)
     parser.add_argument("--hf-requests", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()

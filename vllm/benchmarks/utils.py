@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm.entrypoints.cli.serve import ALL2ALL_BACKENDS
 
 # H200 SXM dense tensor-core peaks (TFLOP/s, no sparsity), by operand dtype.
 H200_PEAK_TFLOPS = {torch.bfloat16: 989.0, torch.float8_e4m3fn: 1979.0}
@@ -88,3 +91,31 @@ def write_results(
     if path is not None:
         payload = {"device": device, **extra, "rows": [asdict(r) for r in rows]}
         path.write_text(json.dumps(payload, indent=2))
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Data + expert parallelism flags, as ``vllm serve`` spells them."""
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument(
+        "--all2all-backend", choices=ALL2ALL_BACKENDS, default=ALL2ALL_BACKENDS[0]
+    )
+    parser.add_argument("--enable-dbo", action="store_true")
+
+
+def parallel_flags(args: argparse.Namespace) -> list[str]:
+    """:func:`add_parallel_args`' flags as given, for a command line."""
+    flags = ["--data-parallel-size", str(args.data_parallel_size)]
+    flags += ["--all2all-backend", args.all2all_backend]
+    flags += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
+    return flags + (["--enable-dbo"] if args.enable_dbo else [])
+
+
+def parallel_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` keyword arguments of :func:`add_parallel_args`' flags."""
+    return {
+        "data_parallel_size": args.data_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "all2all_backend": args.all2all_backend,
+        "enable_dbo": args.enable_dbo,
+    }
