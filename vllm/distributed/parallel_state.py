@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 
 from vllm import envs
 from vllm.logger import init_logger
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+from vllm.v1.worker.ubatching import collective_turn, dbo_current_ubatch_id
 
 logger = init_logger(__name__)
 
@@ -122,7 +122,8 @@ class GroupCoordinator:
     def _run(self, op: str, call: Callable[[ProcessGroup], T]) -> T:
         group = self._group()
         try:
-            return call(group)
+            with collective_turn():  # one issue order on every rank
+                return call(group)
         except RuntimeError as e:
             raise CollectiveError(
                 f"{op} in the {self.name} group (ranks {self.ranks}) failed on "

@@ -1,8 +1,14 @@
 import threading
+import time
 
 import pytest
 
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id, run_ubatches, ubatch_context
+from vllm.v1.worker.ubatching import (
+    collective_turn,
+    dbo_current_ubatch_id,
+    run_ubatches,
+    ubatch_context,
+)
 
 
 def test_ubatch_context_nests_restores_and_checks():
@@ -46,3 +52,21 @@ def test_run_ubatches_reraises_after_all_finish():
     with pytest.raises(RuntimeError, match="ubatch 0 failed"):
         run_ubatches([fail, finish])
     assert finished == [1]
+
+
+def test_collectives_alternate_between_ubatches_whatever_their_speed():
+    """Ubatch 1 reaches each collective first (ubatch 0 sleeps before each),
+    yet they issue in turns from ubatch 0: the order every rank shares. A
+    ubatch with fewer collectives finishes, and the other's are not held up."""
+    issued: list[tuple[int, int]] = []
+
+    def ubatch(count: int, delay: float) -> None:
+        for i in range(count):
+            time.sleep(delay)
+            with collective_turn():
+                issued.append((dbo_current_ubatch_id(), i))
+
+    run_ubatches([lambda: ubatch(3, 0.05), lambda: ubatch(5, 0.0)])
+    assert issued == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
+    with collective_turn():  # outside run_ubatches: no turns
+        pass

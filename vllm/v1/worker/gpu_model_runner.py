@@ -37,7 +37,8 @@ slot and, in the expert-parallel group, its communicator) and CUDA stream,
 so that one's token exchange overlaps the other's compute. A micro-batch
 without requests runs a one-token forward: every rank calls every MoE
 layer's collectives once per ubatch. The profile run grows both slots to
-the whole token budget (one request may fill a micro-batch).
+the whole token budget (one request may fill a micro-batch), running both
+at once so that the peak it measures holds both.
 """
 
 from __future__ import annotations
@@ -59,11 +60,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk
-from vllm.v1.worker.ubatching import (
-    dbo_current_ubatch_id,
-    run_ubatches,
-    ubatch_context,
-)
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, run_ubatches
 
 logger = init_logger(__name__)
 
@@ -180,11 +177,10 @@ class GPUModelRunner:
                 with set_forward_context(meta):
                     self.model.compute_logits(self.model(ids, positions)[-rows:])
 
-            if not self.ubatch_streams:
+            if self.ubatch_streams:  # at once: the peak holds both
+                self._run_ubatches([forward] * len(self.ubatch_streams))
+            else:
                 forward()
-            for ubatch in range(len(self.ubatch_streams)):  # one after the other
-                with ubatch_context(ubatch):
-                    self._as_ubatch(ubatch, forward)()
         self._synchronize()
         for layer in self._attention_layers():
             layer.kv_cache = None  # the profile run's cache goes first

@@ -3,12 +3,19 @@
 Under DBO each micro-batch runs on its own thread; everything that must not be
 shared between overlapping micro-batches (workspace, persistent resources) is
 looked up by the id of the ubatch whose thread is running.
+
+The ubatches of :func:`run_ubatches` also take turns to issue collectives
+(:func:`collective_turn`): ubatch 0's first, then ubatch 1's first, then
+ubatch 0's second, ... Every rank then issues them in the same order, which
+NCCL needs across communicators (otherwise rank 0 could launch ubatch 0's
+all-gather while rank 1 launches ubatch 1's, each kernel waiting for a peer
+that the other holds up). Compute between collectives runs freely.
 """
 
 import contextvars
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -16,6 +23,53 @@ T = TypeVar("T")
 # A context variable, like the workspace lane: a new thread starts outside any
 # ubatch, and leaving a context restores exactly what was there before.
 _ubatch_id: contextvars.ContextVar[int] = contextvars.ContextVar("ubatch_id", default=0)
+
+
+class _TurnOrder:
+    """Whose turn it is to issue a collective, among ``n`` ubatch threads;
+    a finished thread's turns are skipped."""
+
+    def __init__(self, n: int) -> None:
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._done = [False] * n
+
+    @contextmanager
+    def turn(self, ubatch: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == ubatch)
+        try:
+            yield
+        finally:
+            self._pass(ubatch)
+
+    def finish(self, ubatch: int) -> None:
+        with self._cond:
+            self._done[ubatch] = True
+        self._pass(ubatch)
+
+    def _pass(self, ubatch: int) -> None:
+        with self._cond:
+            if self._turn == ubatch and not all(self._done):
+                n = len(self._done)
+                nxt = (ubatch + 1) % n
+                while self._done[nxt] and nxt != ubatch:
+                    nxt = (nxt + 1) % n
+                self._turn = nxt
+            self._cond.notify_all()
+
+
+_turn_order: contextvars.ContextVar[_TurnOrder | None] = contextvars.ContextVar(
+    "ubatch_turn_order", default=None
+)
+
+
+def collective_turn() -> AbstractContextManager[None]:
+    """Wrap the issue of a collective: under :func:`run_ubatches` it waits
+    for the calling ubatch's turn and passes the turn on afterwards;
+    elsewhere it does nothing."""
+    order = _turn_order.get()
+    return nullcontext() if order is None else order.turn(dbo_current_ubatch_id())
 
 
 def dbo_current_ubatch_id() -> int:
@@ -45,13 +99,18 @@ def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:
     """
     results: list[T | None] = [None] * len(fns)
     errors: list[BaseException | None] = [None] * len(fns)
+    order = _TurnOrder(len(fns))
 
     def body(i: int) -> None:
+        token = _turn_order.set(order)
         try:
             with ubatch_context(i):
                 results[i] = fns[i]()
         except BaseException as e:  # re-raised on the caller's thread
             errors[i] = e
+        finally:
+            order.finish(i)
+            _turn_order.reset(token)
 
     threads = [
         threading.Thread(

@@ -161,9 +161,10 @@ def _paged_attention_kernel(
         tl.store(partial_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + row, lse, mask=row_ok)
-        # Decode (BLOCK_Q 1): one token. The atomic orders this program's
-        # stores before the count and, in the last one, the count before its
-        # loads of the others' (from L2: ".cg").
+        # Decode (BLOCK_Q 1): one token. The barrier and the atomic order all
+        # of this program's stores before the count and, in the last one, the
+        # count before its loads of the others' (from L2: ".cg").
+        tl.debug_barrier()
         token_id = (q_start + q_block).to(tl.int64)
         counter = counters_ptr + token_id * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
