@@ -41,6 +41,7 @@ class LatencyRow:
     batch_size: int
     input_len: int
     output_len: int
+    async_scheduling: bool
     ttft_ms: float
     tpot_ms: float
     bound_ms: float  # bytes of a decode step over the copy bandwidth
@@ -85,7 +86,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None
+    )
     parser.add_argument("--num-iters", type=int, default=3)
     add_parallel_args(parser)
     parser.add_argument("--output-json", type=Path)
@@ -131,12 +134,13 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbps(device)
     bound_ms = step_bytes / (bandwidth * 1e9) * 1e3
     name = args.model.name if args.model else args.preset
+    overlapped = bool(llm.engine.config.async_scheduling)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {device_name}")
     print(
         f"model {name} ({args.dtype}, {args.quantization or 'unquantized'}), "
-        f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out; "
-        f"copy {bandwidth:.0f} GB/s"
+        f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out, "
+        f"async scheduling {'on' if overlapped else 'off'}; copy {bandwidth:.0f} GB/s"
     )
     print(
         f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms | HBM bound "
@@ -145,7 +149,7 @@ def main() -> None:
     )
     row = LatencyRow(
         name, args.dtype, args.quantization, args.batch_size, args.input_len,
-        args.output_len, ttft * 1e3, tpot * 1e3, bound_ms, bandwidth,
+        args.output_len, overlapped, ttft * 1e3, tpot * 1e3, bound_ms, bandwidth,
     )  # fmt: skip
     write_results(args.output_json, device_name, [row])
 

@@ -53,7 +53,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine's flags, as ``vllm serve`` and ``benchmark_throughput.py``
     spell them alike."""
     flags = ["--dtype", args.dtype]
-    flags += ["--async-scheduling"] if args.async_scheduling else []
+    if args.async_scheduling is not None:  # else the engine's default
+        flags.append(f"--{'' if args.async_scheduling else 'no-'}async-scheduling")
     flags += parallel_flags(args)
     return flags + (["--quantization", args.quantization] if args.quantization else [])
 
@@ -145,7 +146,9 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None
+    )
     add_parallel_args(parser)
     parser.add_argument("--startup-s", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=Path("out/serving_sweep"))

@@ -152,7 +152,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")

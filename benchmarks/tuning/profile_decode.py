@@ -28,7 +28,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
-    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(

@@ -127,14 +127,17 @@ def test_async_scheduling_changes_no_token(engine_factory):
     assert len(aborted.output_token_ids) == 1 and not engine.has_unfinished_requests()
 
 
-def test_async_scheduling_refuses_data_parallel(checkpoint):
+def test_async_scheduling_is_on_where_supported_and_refuses_data_parallel(
+    checkpoint,
+):
+    dp: dict = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    assert EngineConfig(checkpoint, device="cuda").async_scheduling is True
+    assert EngineConfig(checkpoint, device="cpu").async_scheduling is False
+    assert EngineConfig(checkpoint, device="cuda", **dp).async_scheduling is False
+    off = EngineConfig(checkpoint, device="cuda", async_scheduling=False)
+    assert off.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling: not supported"):
-        EngineConfig(
-            checkpoint,
-            async_scheduling=True,
-            data_parallel_size=2,
-            enable_expert_parallel=True,
-        )
+        EngineConfig(checkpoint, async_scheduling=True, **dp)
 
 
 @pytest.mark.skipif(

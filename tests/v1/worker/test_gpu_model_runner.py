@@ -34,6 +34,7 @@ def _engine(checkpoint, **kwargs: Any) -> EngineCore:
         "max_num_seqs": 12,
         "num_kv_blocks": 96,  # tests share the GPU: not sized from its memory
         "prefix": next(_prefixes),
+        "async_scheduling": False,  # the tests schedule and resolve steps by hand
     }
     return EngineCore(EngineConfig(checkpoint, **args | kwargs))
 

@@ -106,10 +106,11 @@ def add_serve_parser(
     )
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="Schedule and fill the next step while the GPU runs the current "
-        "one; a request that stops computes one token past its end "
-        "(default: off).",
+        "one; a request that stops computes one token past its end (default: "
+        "on with one data-parallel rank on a GPU, off elsewhere).",
     )
     parser.add_argument(
         "--seed",

@@ -78,14 +78,19 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # shard the experts over the ranks
     all2all_backend: str = "allgather_reducescatter"  # the ranks' token exchange
     distributed_timeout_s: float = 600.0  # bound on every collective of the ranks
-    # schedule and fill step N + 1 while the GPU runs step N (one data-parallel
-    # rank only; a request that stops computes one token past its end)
-    async_scheduling: bool = False
+    # schedule and fill step N + 1 while the GPU runs step N (a request that
+    # stops computes one token past its end); None: on where supported, one
+    # data-parallel rank on a GPU (vLLM's default since 0.14)
+    async_scheduling: bool | None = None
     # dual-batch overlap: every step as two micro-batches on two threads, one's
     # token exchange overlapping the other's compute (expert parallelism only)
     enable_dbo: bool = False
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is None:
+            supported = self.data_parallel_size == 1
+            on = supported and torch.device(self.device).type == "cuda"
+            object.__setattr__(self, "async_scheduling", on)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: expected in (0, 1], got "
