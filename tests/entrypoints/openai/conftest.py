@@ -19,6 +19,8 @@ SERVER_ARGS = [
     "--served-model-name", MODEL, "tiny-alias",
     "--api-key", API_KEY,
     "--uvicorn-log-level", "warning",
+    # the GPU default (on the CPU it is off): the tests see its semantics
+    "--async-scheduling",
 ]  # fmt: skip
 
 
