@@ -53,6 +53,10 @@ from vllm.model_executor.kernels.grouped_gemm import (
     moe_gemm_kernels,
     quantize_groups_reference,
 )
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
+    grouped_gemm_w4a8,
+    grouped_gemm_w4a8_gated,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -68,6 +72,9 @@ from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.experts.triton_w4a8_moe import (
+    TritonExpertsW4A8,
+)
 from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
@@ -187,6 +194,8 @@ def bench(
         steps["torch"] = torch_gemms
     if isinstance(experts, TritonExpertsFp8) and cuda:  # kernels only
         steps["own"] = triton_fp8_gemms(experts, hidden, src_routes, offsets)
+    elif isinstance(experts, TritonExpertsW4A8) and cuda:
+        steps["own"] = triton_w4a8_gemms(experts, hidden, src_routes, offsets)
     elif isinstance(experts, TritonExperts) and cuda:
         steps["own"] = triton_gemms(experts, hidden, src_routes, offsets)
     times = (
@@ -271,6 +280,40 @@ def triton_fp8_gemms(
             out_scale=gemm1_scale,
         )
         grouped_gemm_fp8(act_q, act_scale, experts.w2, experts.w2_scale, offsets, down)
+
+    return step
+
+
+def triton_w4a8_gemms(
+    experts: TritonExpertsW4A8,
+    hidden: torch.Tensor,
+    src_routes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> Callable[[int], None]:
+    """The W4A8 layer's two grouped GEMMs (its sorted path): GEMM1 with its
+    gather and activation, GEMM2 on fp8 rows."""
+    moe = experts.moe
+    rows, inter = src_routes.shape[0], moe.intermediate_size
+    a_q, a_scale = per_token_quant_fp8(hidden)
+    act = torch.empty(rows, inter, device=hidden.device, dtype=hidden.dtype)
+    act_q, act_scale = per_token_quant_fp8(torch.randn_like(act))
+    down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=hidden.dtype)
+
+    def step(it: int) -> None:
+        grouped_gemm_w4a8_gated(
+            a_q,
+            a_scale.view(-1),
+            src_routes,
+            moe.experts_per_token,
+            experts.w13,
+            experts.w13_scale,
+            offsets,
+            moe.activation,
+            act,
+        )
+        grouped_gemm_w4a8(
+            act_q, act_scale.view(-1), experts.w2, experts.w2_scale, offsets, down
+        )
 
     return step
 
