@@ -2,6 +2,7 @@
 the block pool, and (GPU) CUDA-graph steps, decode and with prefill, equal
 the same steps run eagerly."""
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -14,8 +15,16 @@ from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.scheduler import ScheduledChunk
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.request import Request
-from vllm.v1.worker.gpu_model_runner import decode_capture_sizes, mixed_capture_sizes
-from vllm.v1.worker.workspace import current_workspace_manager, reset_workspace_manager
+from vllm.v1.worker.gpu_model_runner import (
+    GPUModelRunner,
+    decode_capture_sizes,
+    mixed_capture_sizes,
+)
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    init_workspace_manager,
+    reset_workspace_manager,
+)
 
 _prefixes = (f"runner_test_{i}." for i in itertools.count())
 
@@ -89,6 +98,37 @@ def test_step_inputs_match_the_pool(checkpoint):
         torch.testing.assert_close(runner.block_table[:3, :width], ref.block_table)
         expected = [*range(2, 5), *range(17), 10]
         assert runner.positions[:21].tolist() == expected
+    finally:
+        reset_workspace_manager()
+
+
+def test_micro_batches_give_the_steps_logits(checkpoint):
+    """Dual-batch overlap's split (fp32, CPU, one process): a decode, a
+    recomputed prefix that samples nothing and another decode, cut after the
+    first (the tokens' nearest half), run as two micro-batches on two
+    threads, give the logits of the step run whole."""
+    reset_workspace_manager()
+    init_workspace_manager(torch.device("cpu"), num_ubatches=2)
+    config = EngineConfig(checkpoint, dtype="float32", device="cpu", max_model_len=96)
+    engine = EngineCore(dataclasses.replace(config, prefix=next(_prefixes)))
+    try:
+        requests = _requests(engine, 3, 4)  # prompts of 5, 11 and 17 tokens
+        engine.step()  # the prefills: their keys and values are cached
+        chunks = [
+            ScheduledChunk(requests[0], 5, 6, samples=True),
+            ScheduledChunk(requests[2], 10, 17, samples=False),
+            ScheduledChunk(requests[1], 11, 12, samples=True),
+        ]
+        whole = engine.runner.execute(chunks, engine.pool)
+        runner = GPUModelRunner(
+            engine.model, engine.device, 16, 12, 64, 96, enforce_eager=True, dbo=True
+        )
+        current_workspace_manager().unlock()  # ubatch 1's slot is new here
+        split = runner.execute(chunks, engine.pool)
+        assert split.shape == whole.shape == (2, whole.shape[1])
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+        report = current_workspace_manager().memory_report()
+        assert [len(slot.resources) > 0 for slot in report.slots] == [True, True]
     finally:
         reset_workspace_manager()
 
