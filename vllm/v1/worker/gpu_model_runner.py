@@ -43,6 +43,7 @@ at once so that the peak it measures holds both.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -325,11 +326,11 @@ class GPUModelRunner:
         """The step (its inputs filled) as two micro-batches of about equal
         tokens: the logits of both, in order."""
         lens = [c.end - c.start for c in chunks]
-        total, split = sum(lens), len(chunks)
+        ends_at = list(itertools.accumulate(lens))  # tokens up to each chunk
+        total, split = ends_at[-1], len(chunks)
         if len(chunks) > 1:  # the cut nearest half the tokens
-            cuts = [sum(lens[:k]) for k in range(1, len(chunks))]
-            split = 1 + min(range(len(cuts)), key=lambda k: abs(2 * cuts[k] - total))
-        prefix = sum(lens[:split])
+            split = 1 + min(range(split - 1), key=lambda k: abs(2 * ends_at[k] - total))
+        prefix = ends_at[split - 1]
 
         def forward(s0: int, s1: int, t0: int, t1: int) -> torch.Tensor | None:
             if s0 == s1:  # no request: this ubatch's share of the collectives

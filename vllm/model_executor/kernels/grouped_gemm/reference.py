@@ -9,7 +9,7 @@ scales, then the product times the channel scales) and rounded once into
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,19 +41,20 @@ def quantize_groups_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q[:, :cols].contiguous(), scale
 
 
-def _expert_products(
+def expert_products(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
-    w: torch.Tensor,
-    w_scale: torch.Tensor | None,
+    num_experts: int,
+    expert_weight: Callable[[int], torch.Tensor],
     offsets: torch.Tensor,
     tokens: torch.Tensor | None = None,
-) -> Iterator[tuple[slice, torch.Tensor]]:
-    """For each expert ``e`` with rows: the rows' slice and their fp32
-    product with ``w[e]^T``. Row ``r`` reads ``a[r]``, or ``a[tokens[r]]``
+) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """For each expert ``e`` with rows: ``e``, the rows' slice and their fp32
+    product with ``expert_weight(e)^T`` (fp32 [N, K], dequantized as the
+    caller's format needs). Row ``r`` reads ``a[r]``, or ``a[tokens[r]]``
     where the GEMM gathers its rows."""
     bounds = offsets.tolist()
-    for e in range(w.shape[0]):
+    for e in range(num_experts):
         lo, hi = bounds[e], bounds[e + 1]
         if lo < hi:
             rows = slice(lo, hi)
@@ -63,8 +64,27 @@ def _expert_products(
                 if a_scale is None
                 else dequantize_rows(a[src], a_scale[src])
             )
-            product = x @ w[e].float().t()
-            yield rows, product if w_scale is None else product * w_scale[e]
+            yield e, rows, x @ expert_weight(e).t()
+
+
+def _expert_products(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    offsets: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """:func:`expert_products` of 16-bit or fp8 weights ``w`` [E, N, K],
+    times the channel scales ``w_scale`` [E, N] where given."""
+
+    def weight(e: int) -> torch.Tensor:
+        return w[e].float()
+
+    for e, rows, product in expert_products(
+        a, a_scale, w.shape[0], weight, offsets, tokens
+    ):
+        yield rows, product if w_scale is None else product * w_scale[e]
 
 
 def grouped_gemm_reference(

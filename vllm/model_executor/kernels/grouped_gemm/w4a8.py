@@ -49,7 +49,7 @@ from vllm.model_executor.kernels.grouped_gemm.dispatch import (
     default_gated_config,
 )
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
-from vllm.model_executor.kernels.grouped_gemm.reference import dequantize_rows
+from vllm.model_executor.kernels.grouped_gemm.reference import expert_products
 from vllm.model_executor.kernels.grouped_gemm.triton_kernels import (
     _expert_tiles,
     _tile_coords,
@@ -349,15 +349,16 @@ def _products(
     offsets: torch.Tensor,
     tokens: torch.Tensor | None = None,
 ) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(rows, fp32 product) of each expert with rows; row ``r`` reads
-    ``a[r]``, or ``a[tokens[r]]`` where the GEMM gathers."""
-    bounds = offsets.tolist()
-    for e in range(w.shape[0]):
-        if bounds[e] < bounds[e + 1]:
-            rows = slice(bounds[e], bounds[e + 1])
-            src = rows if tokens is None else tokens[rows]
-            x = dequantize_rows(a[src], a_scale[src])
-            yield rows, x @ dequantize_w4(w[e], w_scale[e]).t()
+    """:func:`~.reference.expert_products` of packed uint4 weights, each
+    expert's dequantized only when it has rows."""
+
+    def weight(e: int) -> torch.Tensor:
+        return dequantize_w4(w[e], w_scale[e])
+
+    for _, rows, product in expert_products(
+        a, a_scale, w.shape[0], weight, offsets, tokens
+    ):
+        yield rows, product
 
 
 def grouped_gemm_w4a8_reference(
