@@ -14,10 +14,11 @@ Data + expert parallelism (``data_parallel_size`` > 1 with
 its own requests (its workspace manager, KV cache and scheduler) with the
 MoE layers sharded over the expert-parallel group, which must be
 initialized first; :class:`~vllm.v1.engine.dp_engine.DPEngineCore` starts
-the ranks and steps them in lockstep. Those ranks run eagerly (no CUDA
-graphs: the token exchange reads counts on the host), and a rank without
-work runs :meth:`EngineCore.execute_dummy_batch` so that its MoE layers meet
-the other ranks' collectives. ``enable_expert_parallel`` with
+the ranks and steps them in lockstep. Their runners agree on each step's
+shape and replay CUDA graphs of one size (eager with the ``all2all``
+backend or dual-batch overlap), and a rank without work runs
+:meth:`EngineCore.execute_dummy_batch` so that its MoE layers meet the
+other ranks' collectives. ``enable_expert_parallel`` with
 ``data_parallel_size`` 1 is a no-op (one rank holds every expert), and
 ``data_parallel_size`` > 1 without it is refused: data parallelism exists
 here to shard the experts.
@@ -225,8 +226,17 @@ class EngineCore:
 
     def _setup(self, scheduler_config: SchedulerConfig) -> None:
         config, ep_group = self.config, self.ep_group
-        if ep_group is not None and not config.enforce_eager:
-            logger.info("expert parallelism: every step runs eagerly (no CUDA graphs)")
+        # Graphs need the token exchange's sizes known before the step: the
+        # all2all backend's come from the routing, and the micro-batches of
+        # dual-batch overlap are split per step.
+        eager_ep = ep_group is not None and (
+            config.all2all_backend == "all2all" or config.enable_dbo
+        )
+        if eager_ep and not config.enforce_eager:
+            logger.info(
+                "expert parallelism with %s: every step runs eagerly (no CUDA graphs)",
+                "dual-batch overlap" if config.enable_dbo else "the all2all backend",
+            )
         model = get_model(
             config.model,
             load_format=config.load_format,
@@ -253,10 +263,9 @@ class EngineCore:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
-            # The token exchange reads per-rank counts on the host, which a
-            # replayed graph would not.
-            config.enforce_eager or ep_group is not None,
+            config.enforce_eager or eager_ep,
             dbo=config.enable_dbo,
+            dp_group=None if config.enable_dbo else ep_group,
         )
         self.runner.profile_run()
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(

@@ -14,14 +14,15 @@ Contract:
   ``cuda:{rank}`` on CUDA, gloo on CPU), carves it with
   ``initialize_model_parallel(1, N)`` and builds its own ``EngineCore``
   (workspace manager, experts of its shard, profile run, KV cache, lock):
-  the profile runs meet in the MoE layers' collectives. Every rank runs
-  eagerly (no CUDA graphs, see ``EngineCore``).
+  the profile runs meet in the MoE layers' collectives, then every rank
+  captures the same CUDA graphs (see ``EngineCore``).
 - Rank 0 assigns each new request to the rank with the fewest live
   requests (the lowest such rank) and holds the caller's ``Request``.
 - Each ``step()``: rank 0 broadcasts the step's commands (new requests per
   rank, aborts per rank) over a gloo group; every rank applies them and
-  steps its engine, or runs a one-token dummy forward when it has nothing to
-  run, so that all ranks call every MoE layer once; the ranks' new tokens,
+  steps its engine, or runs a dummy forward when it has nothing to run
+  (a replay of padding where the ranks replay graphs), so that all ranks
+  call every MoE layer once; the ranks' new tokens,
   finish reasons and scheduler state are gathered to rank 0, which appends
   them to the caller's requests. ``step()`` returns the requests of every
   rank that finished in it.

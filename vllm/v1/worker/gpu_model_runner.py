@@ -30,6 +30,16 @@ read the step from persistent input buffers that every step fills:
 An eager step there takes tens of milliseconds of host time for its
 launches alone (48 layers), several times the GPU's share of a mixed step.
 
+Expert parallelism (``dp_group``: the ranks step in lockstep): before each
+step the ranks agree on its shape (one host all-gather of token counts and
+whether the step decodes): all replay graphs of one size, the smallest that
+holds every rank's step (a decode graph only if every rank decodes), ranks
+without requests replaying padding; where none holds it, all run eagerly,
+each knowing the others' counts. Either way the MoE layers' token exchange
+reads its counts from the host (``DPMetadata``): no device sync, so the
+graphs hold it. The ``all2all`` backend's split sizes depend on the routing
+and are read on the host: its engine runs eagerly.
+
 Dual-batch overlap (``dbo``, expert parallelism: eager steps): a step's
 requests split into two micro-batches of about equal tokens, each run on its
 own thread (:func:`~vllm.v1.worker.ubatching.run_ubatches`: its workspace
@@ -44,16 +54,17 @@ at once so that the peak it measures holds both.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
 import numpy as np
 import torch
 
-from vllm.forward_context import set_forward_context
+from vllm.distributed import GroupCoordinator
+from vllm.forward_context import DPMetadata, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.kernels.common.device_info import num_sms
 from vllm.model_executor.layers.attention import Attention, bind_kv_cache
@@ -95,6 +106,35 @@ class _StepGraph:
     output: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs: a replay of the decode graph of ``size`` requests
+    (``decode``) or of the graph with prefill of ``size`` tokens, or eagerly
+    (``size`` None). ``dp_metadata``: every rank's token count of an eager
+    step's forward under expert parallelism."""
+
+    decode: bool
+    size: int | None
+    dp_metadata: DPMetadata | None = None
+
+
+def plan_step(
+    num_tokens: int,
+    decode: bool,
+    decode_sizes: Iterable[int],
+    mixed_sizes: Iterable[int],
+) -> StepPlan:
+    """The smallest captured graph that holds a step of ``num_tokens``
+    (``decode``: one per request): a decode graph for a decode step, else
+    one with prefill (a decode step fits one too); eager where none does."""
+    if decode:
+        size = min((s for s in decode_sizes if s >= num_tokens), default=None)
+        if size is not None:
+            return StepPlan(True, size)
+    size = min((s for s in mixed_sizes if s >= num_tokens), default=None)
+    return StepPlan(False, size)
+
+
 class GPUModelRunner:
     def __init__(
         self,
@@ -106,8 +146,11 @@ class GPUModelRunner:
         max_model_len: int,
         enforce_eager: bool,
         dbo: bool = False,
+        dp_group: GroupCoordinator | None = None,
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
+        # expert parallelism: the ranks that agree on each step's shape
+        self.dp_group = dp_group
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enforce_eager = enforce_eager
@@ -273,48 +316,78 @@ class GPUModelRunner:
                 ends.append(end - 1)
         if self.ubatch_streams:
             return self._execute_ubatches(chunks, ends)
-        if num_tokens == num_seqs:  # decode
-            size = min((s for s in self.graphs if s >= num_seqs), default=None)
-            if size is not None:
-                if size > num_seqs:
-                    self._fill_decode_padding(num_seqs, size)
-                entry = self.graphs[size]
-                entry.graph.replay()
-                if len(ends) == num_seqs:  # a slice: no index copy, no kernel
-                    return entry.output[:num_seqs]
-                return entry.output[self._rows(ends)]
-        else:
-            size = min((s for s in self.mixed_graphs if s >= num_tokens), default=None)
-            if size is not None:
-                self._fill_mixed_padding(num_seqs, num_tokens, size)
-                rows = np.zeros(self.max_num_seqs, np.int64)
-                rows[: len(ends)] = ends
-                self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
-                entry = self.mixed_graphs[size]
-                entry.graph.replay()
-                return self.model.compute_logits(entry.output[: len(ends)])
+        plan = self._plan(num_tokens, decode=num_tokens == num_seqs)
+        if plan.size is not None and plan.decode:
+            if plan.size > num_seqs:
+                self._fill_decode_padding(num_seqs, plan.size)
+            entry = self.graphs[plan.size]
+            entry.graph.replay()
+            if len(ends) == num_seqs:  # a slice: no index copy, no kernel
+                return entry.output[:num_seqs]
+            return entry.output[self._rows(ends)]
+        if plan.size is not None:
+            self._fill_mixed_padding(num_seqs, num_tokens, plan.size)
+            rows = np.zeros(self.max_num_seqs, np.int64)
+            rows[: len(ends)] = ends
+            self.logits_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+            entry = self.mixed_graphs[plan.size]
+            entry.graph.replay()
+            return self.model.compute_logits(entry.output[: len(ends)])
         meta = self._metadata(
             num_seqs, num_tokens, max(c.end - c.start for c in chunks)
         )
-        with set_forward_context(meta):
+        with set_forward_context(meta, plan.dp_metadata):
             hidden = self.model(
                 self.input_ids[:num_tokens], self.positions[:num_tokens]
             )
             return self.model.compute_logits(hidden[self._rows(ends)])
+
+    def _plan(self, num_tokens: int, decode: bool) -> StepPlan:
+        """How this step runs. Under expert parallelism the ranks agree
+        first (one host all-gather of their shapes): all replay graphs of
+        one size (their token exchanges match), or all run eagerly, each
+        knowing the others' token counts."""
+        group = self.dp_group
+        if group is None:
+            return plan_step(num_tokens, decode, self.graphs, self.mixed_graphs)
+        shapes = group.all_gather_host([num_tokens, decode])
+        counts = [n for n, _ in shapes]
+        all_decode = all(d for _, d in shapes)
+        plan = plan_step(max(counts), all_decode, self.graphs, self.mixed_graphs)
+        if plan.size is None:
+            return replace(plan, dp_metadata=DPMetadata(counts))
+        return plan
+
+    def _uniform_dp(self, num_tokens: int) -> DPMetadata | None:
+        """Under expert parallelism, ``num_tokens`` on every rank: what a
+        graph's forward runs with (the ranks replay one size)."""
+        if self.dp_group is None:
+            return None
+        return DPMetadata([num_tokens] * self.dp_group.world_size)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
-        """One token through the model outside any batch, per micro-batch
-        (no KV cache, no logits): an idle data-parallel rank's share of a
-        step, which calls every MoE layer as the busy ranks' steps do. Call
-        inside ``on_stream()``."""
+        """An idle data-parallel rank's share of a step, which calls every MoE
+        layer as the busy ranks' steps do: one token through the model
+        outside any batch (no KV cache, no logits), per micro-batch; or, where
+        the ranks replay graphs, a replay of the agreed one with padding
+        only. Call inside ``on_stream()``."""
         if self.ubatch_streams:
             self._run_ubatches([self._dummy_forward] * len(self.ubatch_streams))
+            return
+        plan = self._plan(1, decode=True)
+        if plan.size is None:
+            with set_forward_context(None, plan.dp_metadata):
+                self._dummy_forward()
+        elif plan.decode:
+            self._fill_decode_padding(0, plan.size)
+            self.graphs[plan.size].graph.replay()
         else:
-            self._dummy_forward()
+            self._fill_mixed_padding(0, 0, plan.size)
+            self.mixed_graphs[plan.size].graph.replay()
 
     def _dummy_forward(self) -> None:
         token = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -472,14 +545,14 @@ class GPUModelRunner:
         )
 
     def _forward_logits(self, size: int, meta: PagedAttentionMetadata) -> torch.Tensor:
-        with set_forward_context(meta):
+        with set_forward_context(meta, self._uniform_dp(size)):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             return self.model.compute_logits(hidden)
 
     def _forward_sampling_rows(
         self, size: int, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
-        with set_forward_context(meta):
+        with set_forward_context(meta, self._uniform_dp(size)):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             return hidden[self.logits_rows]
 

@@ -1,7 +1,8 @@
 """Expert parallelism on real gloo worlds of 2, 3 and 4 processes.
 
 An expert-parallel FusedMoE equals the single-process layer (fp32, both
-all2all backends, uneven token counts, a rank with no tokens, every route to
+all2all backends, the default one also with the step's token counts known
+on the host, uneven token counts, a rank with no tokens, every route to
 one rank, experts not divisible by ranks); linear placement and its expert
 map; each rank loads only its experts; no workspace growth after lock
 whatever the routing; a killed worker makes the others fail with a named
@@ -24,6 +25,7 @@ from vllm.distributed import (
     get_ep_group,
     initialize_model_parallel,
 )
+from vllm.forward_context import DPMetadata, set_forward_context
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.expert_placement import ExpertPlacement
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
@@ -38,6 +40,7 @@ from vllm.v1.worker.workspace import (
 )
 
 HIDDEN, INTER = 16, 8
+AG = "allgather_reducescatter"
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def make_layer(
     moe: FusedMoEConfig,
     name: str,
     ep_group: GroupCoordinator | None = None,
-    all2all_backend: str = "allgather_reducescatter",
+    all2all_backend: str = AG,
 ) -> FusedMoE:
     layer = FusedMoE(
         moe,
@@ -203,14 +206,22 @@ def _parity_worker(rank: int, world_size: int, port: int) -> dict[str, float]:
             ref = make_layer(moe_config(case), case.name)(hidden, logits)
             assert hidden.shape[0] == 0 or ref.abs().max() > 0
             moe = moe_config(case, world_size, rank)
-            for backend in ALL2ALL_BACKENDS:
+            # the engine's steps: every rank's count known before the step
+            counts = DPMetadata(list(case.tokens))
+            for backend, dp in (*((b, None) for b in ALL2ALL_BACKENDS), (AG, counts)):
                 layer = make_layer(moe, case.name, get_ep_group(), backend)
                 assert layer.w13_weight is not None  # grouped_mm keeps it
                 assert layer.w13_weight.shape[0] == moe.num_local_experts
-                out = layer(hidden, logits)
+                with set_forward_context(None, dp):
+                    out = layer(hidden, logits)
                 assert out.shape == ref.shape and out.dtype == ref.dtype
                 diff = (out - ref).abs().max().item() if out.numel() else 0.0
-                errors[f"{case.name}/{backend}"] = diff
+                errors[f"{case.name}/{backend}{'+dp' if dp else ''}"] = diff
+        # counts that do not name this rank's tokens, on every rank alike
+        wrong = DPMetadata([case.tokens[rank]] * (world_size + 1))
+        with set_forward_context(None, wrong), pytest.raises(ValueError) as info:
+            layer(hidden, logits)
+        assert str(info.value).startswith(f"dp_metadata: expected {world_size} ")
         return errors
     finally:
         reset_workspace_manager()
@@ -229,7 +240,7 @@ def test_ep_layer_equals_the_single_process_layer(parity):
     expected = {
         f"{case.name}/{backend}"
         for case in CASES[world_size]
-        for backend in ALL2ALL_BACKENDS
+        for backend in (*ALL2ALL_BACKENDS, f"{AG}+dp")
     }
     for rank, errors in enumerate(per_rank):
         assert set(errors) == expected

@@ -4,7 +4,9 @@ experts are.
 prepare: each token is sent once to every rank that owns at least one of its
 routed experts, with its whole routing (the receiving rank's expert map drops
 the routes it does not own). Split sizes, and each rank's token count, are
-exchanged first in one small all-to-all; one host sync reads them.
+exchanged first in one small all-to-all; one host sync reads them. Each
+sent row carries the token's routing, activations and scales in one
+collective (:mod:`dispatch_rows`).
 The experts of a rank then compute their routes of the tokens it received,
 already weighted by the routing weights.
 finalize: the partial outputs go back along the reverse splits and the
@@ -28,9 +30,8 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     PrepareResult,
     quantize_input,
 )
-from vllm.model_executor.layers.fused_moe.prepare_finalize.routing_rows import (
-    pack_routing,
-    unpack_routing,
+from vllm.model_executor.layers.fused_moe.prepare_finalize.dispatch_rows import (
+    DispatchLayout,
 )
 
 
@@ -93,21 +94,19 @@ class MoEPrepareAndFinalizeAll2All(FusedMoEPrepareAndFinalize[All2AllPrepareResu
             torch.cat([meta[:, 0], recv_meta.t().flatten()]).view(3, ranks).tolist()
         )
         send_tokens = sends.nonzero()[:, 1]  # ordered by rank, then token
-
-        def exchange(t: torch.Tensor) -> torch.Tensor:
-            out = t.new_empty((sum(recv_splits), *t.shape[1:]))
-            group.all_to_all_single(
-                out, t.index_select(0, send_tokens), recv_splits, send_splits
-            )
-            return out
-
         a1q, a1q_scale = quantize_input(a1, quant_config)
-        weights, ids = unpack_routing(exchange(pack_routing(topk_weights, topk_ids)))
+        layout = DispatchLayout.of(topk_ids, a1q, a1q_scale)
+        packed = layout.pack(topk_ids, topk_weights, a1q, a1q_scale)
+        received = packed.new_empty((sum(recv_splits), packed.shape[1]))
+        group.all_to_all_single(
+            received, packed.index_select(0, send_tokens), recv_splits, send_splits
+        )
+        rows = layout.unpack(received)
         return All2AllPrepareResult(
-            a1q=exchange(a1q),
-            a1q_scale=None if a1q_scale is None else exchange(a1q_scale),
-            topk_weights=weights,
-            topk_ids=ids,
+            a1q=rows.a1q,
+            a1q_scale=rows.a1q_scale,
+            topk_weights=rows.topk_weights,
+            topk_ids=rows.topk_ids,
             capacity_tokens=sum(token_counts),
             num_tokens=num_tokens,
             send_tokens=send_tokens,

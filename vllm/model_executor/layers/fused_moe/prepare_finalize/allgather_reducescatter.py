@@ -1,9 +1,13 @@
 """Expert parallelism by all-gather and reduce-scatter (the default backend).
 
-prepare: the ranks exchange their token counts, then every rank gathers every
-rank's tokens and routing, each rank's block padded to the largest count
-(padding rows carry expert id -1: the permute skips them). The experts of a
-rank compute its local experts' routes of all gathered tokens.
+prepare: every rank gathers every rank's tokens with their routing (one
+collective of :mod:`dispatch_rows`), each rank's block padded to the largest
+count (padding rows carry expert id -1: the permute skips them). The counts
+come from the step's :class:`~vllm.forward_context.DPMetadata` where the
+ranks agreed on them before the step (the engine's steps: no host sync, so
+a CUDA graph holds the whole layer), else from a count exchange first (one
+host sync). The experts of a rank compute its local experts' routes of all
+gathered tokens.
 finalize: a reduce-scatter sums the ranks' partial outputs and hands each
 rank the rows of its own tokens.
 
@@ -18,15 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from vllm.distributed import GroupCoordinator
+from vllm.forward_context import current_dp_metadata
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEPrepareAndFinalize,
     PrepareResult,
     quantize_input,
 )
-from vllm.model_executor.layers.fused_moe.prepare_finalize.routing_rows import (
-    pack_routing,
-    unpack_routing,
+from vllm.model_executor.layers.fused_moe.prepare_finalize.dispatch_rows import (
+    DispatchLayout,
 )
 
 
@@ -35,20 +39,30 @@ class AllGatherPrepareResult(PrepareResult):
     num_tokens: int  # this rank's tokens: the rows finalize returns
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with rows appended up to ``rows`` (their contents unused)."""
-    if t.shape[0] == rows:
-        return t
-    padded = t.new_empty((rows, *t.shape[1:]))
-    padded[: t.shape[0]] = t
-    return padded
-
-
 class MoEPrepareAndFinalizeAllGatherReduceScatter(
     FusedMoEPrepareAndFinalize[AllGatherPrepareResult]
 ):
     def __init__(self, group: GroupCoordinator) -> None:
         self.group = group
+
+    def _rows_per_rank(self, num_tokens: int, device: torch.device) -> int:
+        """The largest token count of the ranks: each rank's block size."""
+        group, dp = self.group, current_dp_metadata()
+        if dp is None:
+            counts = group.all_gather(
+                torch.tensor([num_tokens], dtype=torch.int64, device=device)
+            )
+            return int(counts.max())  # one host sync
+        if len(dp.num_tokens_across_dp) != group.world_size or (
+            dp.num_tokens_across_dp[group.rank_in_group] != num_tokens
+        ):
+            raise ValueError(
+                f"dp_metadata: expected {group.world_size} token counts with "
+                f"{num_tokens} (this layer's tokens) at rank "
+                f"{group.rank_in_group} of the {group.name} group, got "
+                f"{dp.num_tokens_across_dp}"
+            )
+        return dp.max_tokens
 
     def prepare(
         self,
@@ -59,25 +73,19 @@ class MoEPrepareAndFinalizeAllGatherReduceScatter(
     ) -> AllGatherPrepareResult:
         group = self.group
         num_tokens = a1.shape[0]
-        counts = group.all_gather(
-            torch.tensor([num_tokens], dtype=torch.int64, device=a1.device)
-        )
-        rows = int(counts.max())  # one host sync: the padded block size
+        rows = self._rows_per_rank(num_tokens, a1.device)
         a1q, a1q_scale = quantize_input(a1, quant_config)
-        topk = topk_ids.shape[1]
-        routing = torch.zeros((rows, 2 * topk), dtype=torch.int32, device=a1.device)
-        routing[num_tokens:, :topk] = -1  # padding: no expert, weight 0
-        routing[:num_tokens] = pack_routing(topk_weights, topk_ids)
-        weights, ids = unpack_routing(group.all_gather(routing))
+        layout = DispatchLayout.of(topk_ids, a1q, a1q_scale)
+        packed = layout.pack(topk_ids, topk_weights, a1q, a1q_scale)
+        if rows > num_tokens:
+            padding = layout.padding(rows - num_tokens, a1.device)
+            packed = torch.cat([packed, padding])
+        gathered = layout.unpack(group.all_gather(packed))
         return AllGatherPrepareResult(
-            a1q=group.all_gather(_pad_rows(a1q, rows)),
-            a1q_scale=(
-                None
-                if a1q_scale is None
-                else group.all_gather(_pad_rows(a1q_scale, rows))
-            ),
-            topk_weights=weights,
-            topk_ids=ids,
+            a1q=gathered.a1q,
+            a1q_scale=gathered.a1q_scale,
+            topk_weights=gathered.topk_weights,
+            topk_ids=gathered.topk_ids,
             capacity_tokens=rows * group.world_size,
             num_tokens=num_tokens,
         )
