@@ -67,8 +67,9 @@ def dp_engine(llm: LLM) -> DPEngineCore:
 
 @pytest.fixture(scope="class", params=ALL2ALL_BACKENDS)
 def dp_llm(request, checkpoint, reference):
-    """After the reference (whose fixture starts from a fresh workspace
-    manager); stopped after its class: one DP engine per process at a time."""
+    """After the reference, on a fresh workspace manager; stopped after its
+    class: one DP engine per process at a time."""
+    reset_workspace_manager()
     llm = LLM(checkpoint, **ARGS, **DP, all2all_backend=request.param)
     yield llm
     dp_engine(llm).shutdown()
@@ -83,6 +84,14 @@ class TestLockstep:
         # One request: rank 1 gets none and runs dummy forwards throughout.
         assert token_ids(dp_llm, PROMPTS[1:2], PARAMS[1:2]) == reference[1:2]
         assert not dp_llm.engine.has_unfinished_requests()
+
+    def test_every_rank_reports_its_workspace_at_lock(self, dp_llm):
+        reports = dp_engine(dp_llm).workspace_reports
+        assert len(reports) == 2 and all(r.locked for r in reports)
+        for report in reports:  # one scratch, sized from this rank's inputs
+            (scratch,) = report.resources_of_type("MoEPermuteScratch")
+            assert scratch.nbytes > 0
+        assert reports[0].total_bytes == dp_engine(dp_llm).workspace_report.total_bytes
 
     def test_async_llm_runs_over_it_unchanged(self, dp_llm, reference):
         async def run() -> list[list[int]]:
@@ -173,7 +182,8 @@ def test_two_gpus_match_one(checkpoint, all2all_backend):
         assert sum(a[:4] == b[:4] for a, b in zip(one, two, strict=True)) >= 3
         after = manager.memory_report()
         assert after.total_bytes == before.total_bytes
-        assert len(after.resources_of_type("MoEPermuteScratch")) == 1
+        for report in (after, *dp_engine(llm).workspace_reports):
+            assert len(report.resources_of_type("MoEPermuteScratch")) == 1
     finally:
         dp_engine(llm).shutdown()
         reset_workspace_manager()

@@ -198,8 +198,15 @@ class EngineCore:
             self._setup(scheduler_config)
         finally:
             manager.lock()
+        # what this engine's warm-up left in the manager: all it will hold
+        self.workspace_report = manager.memory_report()
         logger.info(
-            "KV cache: %d blocks of %d tokens", self.pool.num_blocks, BLOCK_SIZE
+            "KV cache: %d blocks of %d tokens; workspace at lock: %d bytes in %d "
+            "slot(s)",
+            self.pool.num_blocks,
+            BLOCK_SIZE,
+            self.workspace_report.total_bytes,
+            len(self.workspace_report.slots),
         )
 
     def _expert_parallel_group(self) -> GroupCoordinator | None:

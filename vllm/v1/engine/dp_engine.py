@@ -15,7 +15,8 @@ Contract:
   ``initialize_model_parallel(1, N)`` and builds its own ``EngineCore``
   (workspace manager, experts of its shard, profile run, KV cache, lock):
   the profile runs meet in the MoE layers' collectives, then every rank
-  captures the same CUDA graphs (see ``EngineCore``).
+  captures the same CUDA graphs (see ``EngineCore``). Every rank's workspace
+  report at lock comes to rank 0 (``workspace_reports``, in rank order).
 - Rank 0 assigns each new request to the rank with the fewest live
   requests (the lowest such rank) and holds the caller's ``Request``.
 - Each ``step()``: rank 0 broadcasts the step's commands (new requests per
@@ -180,13 +181,13 @@ class _ControlGroups:
         assert isinstance(result, _StepCommand)
         return result
 
-    def gather_reports(self, report: _RankReport, rank: int) -> list[_RankReport]:
-        """Every rank's report on rank 0 (in rank order); [] elsewhere."""
+    def gather(self, what: str, obj: T, rank: int) -> list[T]:
+        """Every rank's ``obj`` on rank 0 (in rank order); [] elsewhere."""
         size = dist.get_world_size(self.reports)
         out: list[Any] | None = [None] * size if rank == 0 else None
         _collective(
-            "gather of the ranks' step reports",
-            lambda: dist.gather_object(report, out, dst=0, group=self.reports),
+            f"gather of the ranks' {what}",
+            lambda: dist.gather_object(obj, out, dst=0, group=self.reports),
         )
         return list(out or [])
 
@@ -283,6 +284,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     control = _join_world(config, rank, port)
     try:
         engine = EngineCore(_rank_config(config, rank))
+        control.gather("workspace reports", engine.workspace_report, rank)
         state = _WorkerState()
         while not (command := control.broadcast_command(None)).stop:
             state.apply(engine, command, rank)
@@ -290,7 +292,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
                 engine.step()
             else:
                 engine.execute_dummy_batch()
-            control.gather_reports(_report(engine, state.deltas()), rank)
+            control.gather("step reports", _report(engine, state.deltas()), rank)
     except BaseException:
         # The world is broken (or rank 0 gone): leaving it could block, and
         # no one would stop this process. The traceback is the verdict.
@@ -394,6 +396,9 @@ class DPEngineCore(EngineCore):
         try:
             workers.control = _join_world(config, 0, port)
             super().__init__(_rank_config(config, 0))
+            self.workspace_reports = workers.control.gather(
+                "workspace reports", self.workspace_report, 0
+            )
         except BaseException as e:
             dead = workers.reap()
             workers.stop(graceful=False)
@@ -502,7 +507,7 @@ class DPEngineCore(EngineCore):
                 finished = []
                 self.last_step = StepShape(0, 0)  # rank 0's own share: none
                 self.execute_dummy_batch()
-            reports = control.gather_reports(_report(self, []), 0)
+            reports = control.gather("step reports", _report(self, []), 0)
         except Exception as e:
             self._fail(e)
         self._reports = reports
