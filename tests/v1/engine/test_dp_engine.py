@@ -1,8 +1,8 @@
 """Data + expert parallelism through ``LLM`` on 2 real gloo ranks (this
 process and one spawned worker), tiny Qwen3-MoE in fp32 on the CPU: the
 same greedy tokens as one process (both all2all backends, with a rank that
-gets no request, and with dual-batch overlap; on 2 GPUs over NCCL with CUDA
-graphs), ``AsyncLLM`` unchanged over
+gets no request, with dual-batch overlap, and on 4 ranks; on 2 GPUs over
+NCCL with CUDA graphs), ``AsyncLLM`` unchanged over
 it, aborts freeing another rank's blocks, a killed worker failing rank 0
 within the timeout, and the configuration refusals."""
 
@@ -152,6 +152,23 @@ def test_dual_batch_overlap_changes_no_token(checkpoint, reference, all2all_back
             for slot in report.slots
         ]
         assert scratches == [1, 1]
+    finally:
+        dp_engine(llm).shutdown()
+        reset_workspace_manager()
+
+
+def test_four_ranks_match_one_process(checkpoint, reference):
+    """4 gloo ranks (3 spawned), the default backend: one process's greedy
+    tokens, with a rank left without requests."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, **ARGS, data_parallel_size=4, enable_expert_parallel=True)
+    try:
+        assert token_ids(llm, PROMPTS[:3], PARAMS[:3]) == reference[:3]
+        scratches = [
+            len(r.resources_of_type("MoEPermuteScratch"))
+            for r in dp_engine(llm).workspace_reports
+        ]
+        assert scratches == [1, 1, 1, 1]
     finally:
         dp_engine(llm).shutdown()
         reset_workspace_manager()
