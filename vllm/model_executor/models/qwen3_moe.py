@@ -223,7 +223,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        # the router's GEMM runs in the layer: fused with the routing at decode
+        return self.experts(x, gate_weight=self.gate.weight)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):

@@ -39,6 +39,36 @@ def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def skinny_tile(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    cols,  # [BLOCK_N] weight rows of this program
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` times weight rows ``cols``."""
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    # Products accumulate per K lane, reduced once at the end (a reduction
+    # per step would shuffle between threads after every load)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        in_k = (offs_k + k < K)[None, :]
+        x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & in_k, other=0.0)
+        w = tl.load(w_ptrs + k, mask=(cols < N)[:, None] & in_k, other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return tl.sum(acc, 2)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -54,31 +84,21 @@ def _skinny_gemm_kernel(
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    # Products accumulate per K lane, reduced once at the end (a reduction
-    # per step would shuffle between threads after every load)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        in_k = (offs_k + k < K)[None, :]
-        x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & in_k, other=0.0)
-        w = tl.load(w_ptrs + k, mask=(cols < N)[:, None] & in_k, other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    out = out_ptr + rows[:, None] * N + cols[None, :]
+    out = skinny_tile(
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     tl.store(
-        out,
-        tl.sum(acc, 2).to(out_ptr.dtype.element_ty),
+        out_ptr + rows[:, None] * N + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
         mask=(rows < M)[:, None] & (cols < N),
     )
 
 
-def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, block_k: int = _BLOCK_K
-) -> torch.Tensor:
-    """``x`` [M <= SKINNY_MAX_ROWS, K] @ ``weight`` [N, K].T in ``x``'s
-    16-bit dtype (fp32 accumulation), both with unit stride along K;
-    ``block_k`` is the K step (tests take small ones)."""
+def check_skinny_operands(
+    x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight"
+) -> None:
+    """Errors naming ``x`` or the weight unless :func:`skinny_tile` takes
+    them."""
     if (
         x.dim() != 2
         or x.shape[0] > SKINNY_MAX_ROWS
@@ -89,7 +109,7 @@ def skinny_gemm(
             "x", f"16-bit [M <= {SKINNY_MAX_ROWS}, K] with unit stride along K, got "
             f"{x.dtype} {list(x.shape)} (strides {x.stride()})",
         )  # fmt: skip
-    m, k = x.shape
+    k = x.shape[1]
     if (
         weight.dim() != 2
         or weight.shape[1] != k
@@ -98,12 +118,21 @@ def skinny_gemm(
         or weight.device != x.device
     ):
         raise arg_error(
-            "weight", f"[N, {k}] {x.dtype} on {x.device} with unit stride along K, "
+            weight_name, f"[N, {k}] {x.dtype} on {x.device} with unit stride along K, "
             f"got {weight.dtype} {list(weight.shape)} on {weight.device}",
         )  # fmt: skip
+
+
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, block_k: int = _BLOCK_K
+) -> torch.Tensor:
+    """``x`` [M <= SKINNY_MAX_ROWS, K] @ ``weight`` [N, K].T in ``x``'s
+    16-bit dtype (fp32 accumulation), both with unit stride along K;
+    ``block_k`` is the K step (tests take small ones)."""
+    check_skinny_operands(x, weight)
     if block_k < 16 or block_k & (block_k - 1):
         raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
-    n = weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
         _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](

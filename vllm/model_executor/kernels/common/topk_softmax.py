@@ -18,22 +18,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _topk_softmax_kernel(
-    weights_ptr,  # [T, K] fp32
-    ids_ptr,  # [T, K] int32
-    logits_ptr,  # [T, E]
+def route_token(
+    row,  # one token's logits
+    weights_out,  # [K] fp32
+    ids_out,  # [K] int32
     num_experts,
-    stride_logits,
     K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,  # experts compared at once (BLOCK_E x CHUNK pairs)
 ):
-    row = logits_ptr + tl.program_id(0).to(tl.int64) * stride_logits
-    out = tl.program_id(0).to(tl.int64) * K
+    """Softmax, top-k and renormalization of the token whose logits are at
+    ``row``; loads go through L2 (``router_topk`` routes from logits that
+    other programs of its launch wrote)."""
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
-    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(row + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    x = x.to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     # Softmax keeps the logits' order: an expert's rank is the number of
@@ -44,8 +45,12 @@ def _topk_softmax_kernel(
     rank = tl.zeros([BLOCK_E], tl.int32)
     for start in tl.static_range(0, BLOCK_E, CHUNK):
         other = start + tl.arange(0, CHUNK)
-        x_other = tl.load(row + other, mask=other < num_experts, other=float("-inf"))
-        x_other = x_other.to(tl.float32)
+        x_other = tl.load(
+            row + other,
+            mask=other < num_experts,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        ).to(tl.float32)
         k_other = tl.where(x_other == x_other, x_other, float("-inf"))[None, :]
         beats = (k_other > key[:, None]) | (
             (k_other == key[:, None]) & (other[None, :] < e[:, None])
@@ -55,8 +60,39 @@ def _topk_softmax_kernel(
     weights = tl.where(p == p, p, -1.0)  # NaN: a weight below every probability
     if RENORMALIZE:
         weights = weights / tl.sum(tl.where(chosen, weights, 0.0), 0)
-    tl.store(weights_ptr + out + rank, weights, mask=chosen)
-    tl.store(ids_ptr + out + rank, e, mask=chosen)
+    tl.store(weights_out + rank, weights, mask=chosen)
+    tl.store(ids_out + rank, e, mask=chosen)
+
+
+def route_block_sizes(num_experts: int) -> tuple[int, int]:
+    """``(BLOCK_E, CHUNK)`` of :func:`route_token` for ``num_experts``."""
+    block_e = triton.next_power_of_2(num_experts)
+    return block_e, min(block_e, max(16, 8192 // block_e))
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    weights_ptr,  # [T, K] fp32
+    ids_ptr,  # [T, K] int32
+    logits_ptr,  # [T, E]
+    num_experts,
+    stride_logits,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    route_token(
+        logits_ptr + token * stride_logits,
+        weights_ptr + token * K,
+        ids_ptr + token * K,
+        num_experts,
+        K,
+        RENORMALIZE,
+        BLOCK_E,
+        CHUNK,
+    )
 
 
 def topk_softmax(
@@ -74,7 +110,7 @@ def topk_softmax(
     weights = torch.empty(tokens, topk, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
     if tokens:
-        block_e = triton.next_power_of_2(num_experts)
+        block_e, chunk = route_block_sizes(num_experts)
         _topk_softmax_kernel[(tokens,)](
             weights,
             ids,
@@ -84,6 +120,6 @@ def topk_softmax(
             K=topk,
             RENORMALIZE=renormalize,
             BLOCK_E=block_e,
-            CHUNK=min(block_e, max(16, 8192 // block_e)),
+            CHUNK=chunk,
         )
     return weights, ids

@@ -1,6 +1,7 @@
 """``FusedMoE``: an MoE layer whose forward runs as an opaque runtime op.
 
-``forward`` calls ``torch.ops.vllm.moe_forward(hidden, logits, layer_name)``;
+``forward`` calls ``torch.ops.vllm.moe_forward(hidden, logits, gate_weight,
+layer_name)`` (routing by the router's logits or by its weight);
 under ``torch.compile`` that op is a leaf with a fake implementation, so every
 workspace, scratch and lock lookup inside the experts happens at execution
 time, in whichever slot and stream the call runs.
@@ -46,7 +47,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import (
     check_all2all_backend,
     make_prepare_finalize,
 )
-from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.model_executor.layers.fused_moe.routing import fused_topk, gated_topk
 from vllm.model_executor.utils import copy_tensors_in_place
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -307,31 +308,66 @@ class FusedMoE(nn.Module):
         return FusedMoEModularKernel(prepare_finalize, experts)
 
     def forward(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        *,
+        gate_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch.ops.vllm.moe_forward(hidden_states, router_logits, self.layer_name)
+        """Route ``hidden_states`` by ``router_logits``, or by the router's
+        weight ``gate_weight`` [num_experts, hidden], whose GEMM then runs
+        fused with the routing where a kernel does that (a token or two on a
+        GPU: :func:`~.routing.gated_topk`)."""
+        return torch.ops.vllm.moe_forward(
+            hidden_states, router_logits, gate_weight, self.layer_name
+        )
 
     def forward_impl(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        gate_weight: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.kernel is None:
             raise RuntimeError(
                 f"{self.layer_name}: call process_weights_after_loading() first"
             )
-        num_tokens, num_experts = hidden_states.shape[0], self.moe.num_experts
+        topk_weights, topk_ids = self._route(hidden_states, router_logits, gate_weight)
+        return self.kernel.forward(
+            hidden_states, topk_weights, topk_ids, self.expert_map
+        )
+
+    def _route(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        gate_weight: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        (num_tokens, hidden), num_experts = hidden_states.shape, self.moe.num_experts
+        topk = self.moe.experts_per_token
+        if (router_logits is None) == (gate_weight is None):
+            given = "neither" if router_logits is None else "both"
+            raise ValueError(
+                f"router_logits/gate_weight: expected one of them for "
+                f"{self.layer_name}, got {given}"
+            )
+        # Another width would route among the wrong experts silently.
+        if gate_weight is not None:
+            if gate_weight.shape != (num_experts, hidden):
+                raise ValueError(
+                    f"gate_weight: expected [{num_experts}, {hidden}] (global "
+                    f"experts, hidden) for {self.layer_name}, got "
+                    f"{list(gate_weight.shape)}"
+                )
+            return gated_topk(hidden_states, gate_weight, topk, self.renormalize)
+        assert router_logits is not None
         if router_logits.shape != (num_tokens, num_experts):
-            # Another width would route among the wrong experts silently.
             raise ValueError(
                 f"router_logits: expected [{num_tokens}, {num_experts}] (tokens, "
                 f"global experts) for {self.layer_name}, got "
                 f"{list(router_logits.shape)}"
             )
-        topk_weights, topk_ids = fused_topk(
-            hidden_states, router_logits, self.moe.experts_per_token, self.renormalize
-        )
-        return self.kernel.forward(
-            hidden_states, topk_weights, topk_ids, self.expert_map
-        )
+        return fused_topk(hidden_states, router_logits, topk, self.renormalize)
 
 
 def get_moe_layer(layer_name: str) -> FusedMoE:
@@ -345,18 +381,27 @@ def get_moe_layer(layer_name: str) -> FusedMoE:
 
 _lib = torch.library.Library("vllm", "FRAGMENT")
 _lib.define(
-    "moe_forward(Tensor hidden_states, Tensor router_logits, str layer_name) -> Tensor"
+    "moe_forward(Tensor hidden_states, Tensor? router_logits, Tensor? gate_weight, "
+    "str layer_name) -> Tensor"
 )
 
 
 def _moe_forward(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    layer_name: str,
 ) -> torch.Tensor:
-    return get_moe_layer(layer_name).forward_impl(hidden_states, router_logits)
+    return get_moe_layer(layer_name).forward_impl(
+        hidden_states, router_logits, gate_weight
+    )
 
 
 def _moe_forward_fake(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    layer_name: str,
 ) -> torch.Tensor:
     return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the op
 

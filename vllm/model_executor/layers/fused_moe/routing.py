@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.router_topk import (
+    router_topk,
+    router_topk_applies,
+)
 from vllm.model_executor.kernels.common.topk_softmax import topk_softmax
+from vllm.v1.worker.workspace import current_workspace_manager
 
 
 def fused_topk(
@@ -34,3 +40,29 @@ def fused_topk(
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids.to(torch.int32)
+
+
+def gated_topk(
+    hidden_states: torch.Tensor,
+    gate_weight: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_topk` of the router's logits ``hidden_states @
+    gate_weight.T``; at a token or two on a GPU the GEMM and the routing are
+    one kernel (``router_topk``, fp32 logits), whose counter the workspace
+    manager holds per slot and stream. The counter is taken at every size,
+    so the warm-up at the token budget creates it before the lock."""
+    if runs_gpu_kernels(hidden_states):
+        counter = current_workspace_manager().get_persistent(
+            "router_topk.counter", (1,), torch.int32, zero_init=True, per_stream=True
+        )
+        rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
+        if (
+            router_topk_applies(rows, num_experts, hidden_states.dtype)
+            and hidden_states.stride(-1) == 1
+            and gate_weight.dtype == hidden_states.dtype
+        ):
+            return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
+    logits = F.linear(hidden_states, gate_weight)
+    return fused_topk(hidden_states, logits, topk, renormalize)
