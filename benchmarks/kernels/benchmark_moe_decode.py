@@ -2,10 +2,11 @@
 
 For bf16 (``triton``), fp8 (``triton_fp8``) and uint4 (``triton_w4a8``)
 experts at each token count:
-the layer as the model calls it (routing from logits, then the modular
-kernel), timed under CUDA-graph replay, once on the decode kernels
-(route by route, :mod:`~vllm.model_executor.kernels.grouped_gemm.decode`)
-and once on the sorted path; the bound (the distinct routed experts'
+the layer as the model calls it (the router's GEMM and routing, fused at 1
+and 2 tokens, then the modular kernel), timed under CUDA-graph replay, once
+on the decode kernels (route by route,
+:mod:`~vllm.model_executor.kernels.grouped_gemm.decode`) and once on the
+sorted path; the bound (the router's and the distinct routed experts'
 weights read once at the copy bandwidth measured in the same run), each
 time's ratio to it, and the kernel launches per call (profiled). With
 ``--sweep`` it also times the decode kernels alone over a grid of tiles and
@@ -43,7 +44,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
-from vllm.model_executor.layers.fused_moe.routing import fused_topk
+from vllm.model_executor.layers.fused_moe.routing import gated_topk
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 SCHEMES = {
@@ -98,20 +99,23 @@ def bench(
     experts = make_experts(moe, w13, w2, backend)
     assert isinstance(experts, DecodeExperts)
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
-    hidden = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
-    logits = torch.randn(ITERS, tokens, e, device=device)
+    # each call its own tokens, so its own routing (one routing for all
+    # would keep its experts in L2)
+    hidden = torch.randn(ITERS, tokens, k, device=device, dtype=torch.bfloat16)
+    gate = (torch.randn(e, k, device=device) / k**0.5).bfloat16()
 
     def layer(decode: bool) -> Callable[[int], None]:
         def step(it: int) -> None:
             experts.decode_max_tokens = tokens if decode else 0
-            kernel.forward(hidden, *fused_topk(hidden, logits[it], args.topk, True))
+            x = hidden[it]
+            kernel.forward(x, *gated_topk(x, gate, args.topk, True))
 
         return step
 
     steps = {"decode": layer(True), "sorted": layer(False)}
     times = time_graphs_us(steps, ITERS)
     launches = {name: count_launches(step) for name, step in steps.items()}
-    ids = [fused_topk(hidden, logits[it], args.topk, True)[1] for it in range(ITERS)]
+    ids = [gated_topk(hidden[it], gate, args.topk, True)[1] for it in range(ITERS)]
     distinct = sum(len(x.unique()) for x in ids) / ITERS
     # weights and their fp32 scales: per channel (fp8), per group of 128 (w4a8)
     expert_bytes = {
@@ -119,12 +123,12 @@ def bench(
         "fp8": 3 * i * k + (3 * i + k) * 4,
         "w4a8": 3 * i * k // 2 + 3 * i * k // 128 * 4,
     }[label]
-    bound_us = distinct * expert_bytes / (bandwidth * 1e9) * 1e6
+    bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["sorted"],
         launches["decode"], launches["sorted"],
     )  # fmt: skip
-    sweep = sweep_tiles(experts, hidden, ids) if args.sweep and tokens <= 8 else {}
+    sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep
 
 
