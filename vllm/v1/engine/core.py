@@ -26,12 +26,14 @@ here to shard the experts.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vllm.distributed import (
+    CollectiveError,
     GroupCoordinator,
     get_ep_group,
     model_parallel_is_initialized,
@@ -139,6 +141,7 @@ class _Launched:
     chunks: list[ScheduledChunk]
     sampling: list[ScheduledChunk]
     sampled: SampledBatch
+    done: torch.cuda.Event | None  # recorded after it where the wait is bounded
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,7 @@ class EngineCore:
             self.max_model_len,
             config.enforce_eager or eager_ep,
             dbo=config.enable_dbo,
-            dp_group=None if config.enable_dbo else ep_group,
+            dp_group=None if eager_ep else ep_group,
         )
         self.runner.profile_run()
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(
@@ -288,6 +291,8 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(scheduler_config, self.pool)
+        # steps whose graphs hold collectives: their host sync is bounded
+        self._bounded_wait = ep_group is not None and bool(self.runner.graphs)
         self.last_step = StepShape(0, 0)
         self._in_flight: _Launched | None = None
 
@@ -371,14 +376,20 @@ class EngineCore:
                 [c.request.sampling_params for c in sampling],
                 [c.request.generator for c in sampling],
             )
+            done = None
+            if self._bounded_wait:
+                done = torch.cuda.Event()
+                done.record()
         if self.config.async_scheduling:  # the next step's inputs
             self.runner.remember_sampled(
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
-        return _Launched(chunks, sampling, sampled)
+        return _Launched(chunks, sampling, sampled, done)
 
     def _resolve(self, launched: _Launched) -> list[Request]:
         """The launched step's tokens appended; its finished requests."""
+        if launched.done is not None:
+            self._wait_bounded(launched.done)
         tokens = launched.sampled.tolist()
         for chunk, token in zip(launched.sampling, tokens, strict=True):
             chunk.request.resolve_token(
@@ -386,10 +397,24 @@ class EngineCore:
             )
         return self.scheduler.finish_step(launched.chunks)
 
+    def _wait_bounded(self, done: torch.cuda.Event) -> None:
+        """Wait for ``done`` at most ``distributed_timeout_s``: collectives
+        captured in a CUDA graph are outside NCCL's watchdog, and a peer that
+        died mid-step would hang them (and a plain sync) forever."""
+        deadline = time.monotonic() + self.config.distributed_timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise CollectiveError(
+                    f"a step's expert-parallel collectives did not finish within "
+                    f"distributed_timeout_s={self.config.distributed_timeout_s}s: "
+                    f"a peer died or stopped answering"
+                )
+            time.sleep(20e-6)
+
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
-        """One token through the model outside any batch (no KV cache, no
-        sampling): an idle data-parallel rank's share of a step, which calls
-        every MoE layer as the busy ranks' steps do."""
+        """An idle data-parallel rank's share of a step, which calls every
+        MoE layer as the busy ranks' steps do (no sampling; see
+        ``GPUModelRunner.execute_dummy``)."""
         with self.runner.on_stream():
             self.runner.execute_dummy()

@@ -149,7 +149,9 @@ class GPUModelRunner:
         dp_group: GroupCoordinator | None = None,
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
-        # expert parallelism: the ranks that agree on each step's shape
+        # expert parallelism: the ranks that agree on each step's shape (the
+        # micro-batches of dual-batch overlap exchange their own counts)
+        assert not (dbo and dp_group), "dual-batch overlap plans no steps"
         self.dp_group = dp_group
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -387,6 +389,7 @@ class GPUModelRunner:
             self.graphs[plan.size].graph.replay()
         else:
             self._fill_mixed_padding(0, 0, plan.size)
+            self.logits_rows.zero_()  # a larger last step's rows are out of range
             self.mixed_graphs[plan.size].graph.replay()
 
     def _dummy_forward(self) -> None:

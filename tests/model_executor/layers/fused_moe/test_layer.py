@@ -101,26 +101,25 @@ def test_routing_by_the_gate_weight_equals_routing_by_its_logits(
     workspace_init, device
 ):
     """``gate_weight``: the router's GEMM in the layer (on a GPU at 1 and 2
-    tokens fused with the routing, fp32 logits; above, and on the CPU,
-    ``F.linear`` then the routing) routes as the same logits in fp32 do; the
-    fused kernel's counter is one persistent tensor of the slot."""
+    tokens fused with the routing; above, and on the CPU, ``F.linear`` then
+    the routing) routes as its logits do; the fused kernel's counter is one
+    lock buffer of the slot."""
     moe = moe_config(device, experts_per_token=4)
     layer = make_layer(moe, device, seed=8)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
     gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)
     for tokens in (1, 2, 5):
         x = torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
-        # the unfused path's logits are x's dtype: give the reference those
-        exact = tokens <= 2 and device.type == "cuda"
-        logits = x.float() @ gate.float().T if exact else x @ gate.T
+        logits = (x.float() @ gate.float().T).to(x.dtype)  # both paths round
+        # (a sum in another order may round a logit one bf16 step apart)
         torch.testing.assert_close(
-            layer(x, gate_weight=gate), layer(x, logits), rtol=0, atol=0
+            layer(x, gate_weight=gate), layer(x, logits), rtol=1e-2, atol=1e-2
         )
     counters = [
         r
         for slot in workspace_init.memory_report().slots
         for r in slot.resources
-        if "router_topk.counter" in str(r.key)
+        if "router_topk" in str(r.key)
     ]
     assert len(counters) == (1 if device.type == "cuda" else 0)
     x = torch.randn(2, moe.hidden_size, device=device, dtype=moe.in_dtype)

@@ -5,14 +5,18 @@ At a token or two, the router's GEMM (Qwen3-30B-A3B: 128 x 2048, 0.5 MB)
 and the routing are each a launch of a few microseconds on the H200 (2.6
 and 3.4 us per layer under CUDA-graph replay), most of it fixed cost. Here
 the GEMM's programs (:func:`~.skinny_gemm.skinny_tile`) each write their
-experts' logits in fp32 and count themselves done on an atomic counter; the
-last one routes every token from all logits (:func:`~.topk_softmax.
-route_token`) and zeroes the counter for the next launch. The counter must
-be zero before the first launch and belongs to one stream at a time (the
-layer takes it from the workspace manager per slot and stream).
+experts' logits and count themselves done on an atomic counter; the last
+one routes every token from all logits (:func:`~.topk_softmax.route_token`)
+and zeroes the counter for the next launch. The counter must be zero before
+the first launch and belongs to one stream at a time (the layer takes a
+lock buffer of the workspace manager, per slot and stream). The logits are
+rounded to the input's dtype, as the unfused path's GEMM output is, so that
+a token routes alike at every batch size; :func:`router_topk_reference` is
+the oracle.
 
-The logits stay fp32 (the unfused path rounds them to the input's dtype
-before the softmax): :func:`router_topk_reference` is the oracle.
+Two weight rows x 2048 K per program (64 programs for Qwen3-30B-A3B): 2.2
+us against 2.8 at ``skinny_gemm``'s 8 x 1024 (H200, one token, the GEMM
+alone; ``benchmarks/tuning/tune_skinny_gemm.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from vllm.model_executor.kernels.common.topk_softmax import (
 )
 
 ROUTER_MAX_EXPERTS = 1024  # every expert's rank in one program's registers
-_BLOCK_N, _BLOCK_K = 8, 1024
+_BLOCK_N, _BLOCK_K = 2, 2048
 
 
 def router_topk_applies(rows: int, num_experts: int, dtype: torch.dtype) -> bool:
@@ -74,7 +78,7 @@ def _router_topk_kernel(
     )  # fmt: skip
     tl.store(
         logits_ptr + rows[:, None] * num_experts + cols[None, :],
-        logits,
+        logits.to(x_ptr.dtype.element_ty).to(tl.float32),
         mask=(rows < M)[:, None] & (cols < num_experts),
     )
     # Every thread's stores precede the count; the last program's acquire
@@ -137,8 +141,10 @@ def router_topk(
 def router_topk_reference(
     x: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logits, softmax, top-k and renormalization in PyTorch."""
-    probs = torch.softmax(x.float() @ gate_weight.float().T, dim=-1)
+    """Logits in ``x``'s dtype, then softmax in fp32, top-k and
+    renormalization, in PyTorch."""
+    logits = (x.float() @ gate_weight.float().T).to(x.dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = probs.topk(topk, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

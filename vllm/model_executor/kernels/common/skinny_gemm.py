@@ -8,11 +8,13 @@ pulls at once. cuBLAS does not spread short weights: on the H200 (one
 token, CUDA-graph replay) Qwen3-30B-A3B's router (128 x 2048) ran on two
 thread blocks, 4.9 us for 0.5 MB, and its output projection (2048 x 4096)
 took a split-K kernel plus a reduction, 9.4 us. Here each program streams
-``BLOCK_N`` weight rows as a matrix-vector product on the CUDA cores:
-2.6 and 7.7 us. For longer weights cuBLAS streams as fast or faster (q/k/v,
-5120 x 2048: 8.1 vs 8.6 us; the head, 151936 x 2048: 149 vs 161 us), and a
-``tl.dot`` version of this kernel (rows padded to 16) lost everywhere, so
-``skinny_gemm_applies`` admits short weights only.
+``BLOCK_N`` weight rows as a matrix-vector product on the CUDA cores: the
+output projection in 7.6 us at 4 rows x 1024 K per program (8.0 at 8 rows;
+``benchmarks/tuning/tune_skinny_gemm.py``). For longer weights cuBLAS
+streams as fast or faster (q/k/v, 5120 x 2048: 8.1 vs 8.6 us; the head,
+151936 x 2048: 149 vs 161 us), and a ``tl.dot`` version of this kernel
+(rows padded to 16) lost everywhere, so ``skinny_gemm_applies`` admits
+short weights only.
 ``skinny_gemm_reference`` is the oracle.
 """
 
@@ -24,9 +26,9 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import arg_error
 
-SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 8 x 1024 fp32
+SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 4 x 1024 fp32
 SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
-_BLOCK_N, _BLOCK_K = 8, 1024
+_BLOCK_N, _BLOCK_K = 4, 1024
 
 
 def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype) -> bool:

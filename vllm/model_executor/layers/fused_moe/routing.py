@@ -11,7 +11,7 @@ from vllm.model_executor.kernels.common.router_topk import (
     router_topk_applies,
 )
 from vllm.model_executor.kernels.common.topk_softmax import topk_softmax
-from vllm.v1.worker.workspace import current_workspace_manager
+from vllm.v1.worker.workspace import get_lock_buffer
 
 
 def fused_topk(
@@ -49,19 +49,19 @@ def gated_topk(
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_topk` of the router's logits ``hidden_states @
-    gate_weight.T``; at a token or two on a GPU the GEMM and the routing are
-    one kernel (``router_topk``, fp32 logits), whose counter the workspace
-    manager holds per slot and stream. The counter is taken at every size,
-    so the warm-up at the token budget creates it before the lock."""
+    gate_weight.T`` (in the inputs' dtype); at a token or two on a GPU the
+    GEMM and the routing are one kernel (``router_topk``), whose counter is
+    a lock buffer of the workspace manager (per slot and stream). The
+    counter is taken at every size, so the warm-up at the token budget
+    creates it before the lock."""
     if runs_gpu_kernels(hidden_states):
-        counter = current_workspace_manager().get_persistent(
-            "router_topk.counter", (1,), torch.int32, zero_init=True, per_stream=True
-        )
+        counter = get_lock_buffer("router_topk", 1, hidden_states.device)
         rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
         if (
             router_topk_applies(rows, num_experts, hidden_states.dtype)
-            and hidden_states.stride(-1) == 1
+            and hidden_states.stride(-1) == gate_weight.stride(-1) == 1
             and gate_weight.dtype == hidden_states.dtype
+            and gate_weight.device == hidden_states.device
         ):
             return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
     logits = F.linear(hidden_states, gate_weight)
