@@ -61,7 +61,6 @@ class Attention(nn.Module):
             meta.query_start_loc,
             meta.max_query_len,
             self.scale,
-            meta.split_counters,
         )
 
 

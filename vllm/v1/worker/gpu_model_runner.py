@@ -66,13 +66,12 @@ import torch
 from vllm.distributed import GroupCoordinator
 from vllm.forward_context import DPMetadata, set_forward_context
 from vllm.logger import init_logger
-from vllm.model_executor.kernels.common.device_info import num_sms
 from vllm.model_executor.layers.attention import Attention, bind_kv_cache
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id, run_ubatches
+from vllm.v1.worker.ubatching import run_ubatches
 
 logger = init_logger(__name__)
 
@@ -178,12 +177,6 @@ class GPUModelRunner:
                 seqs, max_blocks, dtype=torch.int32, device=device
             )
             self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
-            # split decode attention's counters: one set per concurrent step
-            # (the runner's, and each micro-batch's under dual-batch overlap)
-            self.split_counters = [
-                torch.zeros(num_sms(device), dtype=torch.int32, device=device)
-                for _ in range(1 + len(self.ubatch_streams))
-            ]
         self.null_block = -1  # set with the KV cache
         self.graphs: dict[int, _StepGraph] = {}  # decode, by requests
         self.mixed_graphs: dict[int, _StepGraph] = {}  # with prefill, by tokens
@@ -419,7 +412,6 @@ class GPUModelRunner:
                 slot_mapping=self.slot_mapping[t0:t1],
                 block_size=self.block_size,
                 max_query_len=max(lens[s0:s1]),
-                split_counters=self.split_counters[1 + dbo_current_ubatch_id()],
             )
             rows = self._rows([e - t0 for e in ends if t0 <= e < t1])
             with set_forward_context(meta):
@@ -544,7 +536,6 @@ class GPUModelRunner:
             slot_mapping=self.slot_mapping[:num_tokens],
             block_size=self.block_size,
             max_query_len=max_query_len,
-            split_counters=self.split_counters[0],
         )
 
     def _forward_logits(self, size: int, meta: PagedAttentionMetadata) -> torch.Tensor:

@@ -30,8 +30,6 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     block_size: int
     max_query_len: int  # host-side bound on any request's new tokens
-    # int32 zeros that split decode attention counts in (GPU; see triton_paged)
-    split_counters: torch.Tensor | None = None
 
     @classmethod
     def build(
