@@ -43,11 +43,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error, check_contiguous
 from vllm.model_executor.kernels.common.device_info import persistent_programs
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
-from vllm.model_executor.kernels.grouped_gemm.dispatch import (
-    GroupedGemmConfig,
-    default_config,
-    default_gated_config,
-)
+from vllm.model_executor.kernels.grouped_gemm.dispatch import GroupedGemmConfig
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.reference import expert_products
 from vllm.model_executor.kernels.grouped_gemm.triton_kernels import (
@@ -56,6 +52,21 @@ from vllm.model_executor.kernels.grouped_gemm.triton_kernels import (
 )
 
 W4_GROUP = 128  # input columns per weight scale; the kernels' K step
+
+
+def w4a8_config(rows: int, num_experts: int) -> GroupedGemmConfig:
+    """Tiles of the plain GEMM. The unpacked weight tile lives in registers
+    before it is staged for the tensor cores: narrower than the fp8
+    kernels' tiles, with more warps."""
+    del rows, num_experts
+    return GroupedGemmConfig(64, 128, W4_GROUP, 8, 3)
+
+
+def w4a8_gated_config(rows: int, num_experts: int) -> GroupedGemmConfig:
+    """Tiles of the gated GEMM (``block_n`` output columns: a 2 x block_n
+    product tile); see :func:`w4a8_config`."""
+    del rows, num_experts
+    return GroupedGemmConfig(64, 64, W4_GROUP, 8, 3)
 
 
 # -- the weight format ---------------------------------------------------------
@@ -85,10 +96,15 @@ def dequantize_w4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _unpack_w4(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp8 [BLOCK_N, BLOCK_K] values -8..7 of packed uint8 [BLOCK_N, BLOCK_K / 2]."""
-    low = (packed & 15).to(tl.float32) - 8.0
-    high = (packed >> 4).to(tl.float32) - 8.0
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(tl.float8e4nv)
+    """fp8 [BLOCK_N, BLOCK_K] values -8..7 of packed uint8 [BLOCK_N, BLOCK_K / 2].
+
+    A nibble ``q`` ORed into the mantissa of fp16 1024 is ``1024 + q``
+    exactly: one OR and one subtraction per value, then the hardware's
+    paired fp16 -> fp8 conversion (no fp32 detour)."""
+    low = (packed & 15).to(tl.uint16) | 0x6400
+    high = (packed >> 4).to(tl.uint16) | 0x6400
+    biased = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+    return (biased.to(tl.float16, bitcast=True) - 1032.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -278,7 +294,7 @@ def grouped_gemm_w4a8(
     _check_rows(a, a_scale, expert_first_token_offset, experts, out, (rows, n))
     if rows == 0 or experts == 0:
         return out
-    tiles = config or default_config(rows, experts)
+    tiles = config or w4a8_config(rows, experts)
     programs = persistent_programs(
         a.device, rows, experts, tiles.block_m, triton.cdiv(n, tiles.block_n)
     )
@@ -322,7 +338,7 @@ def grouped_gemm_w4a8_gated(
         raise arg_error("activation", f"one of {list(ACTIVATIONS)}, got {activation!r}")
     if rows == 0 or experts == 0:
         return out
-    tiles = config or default_gated_config(rows, experts)
+    tiles = config or w4a8_gated_config(rows, experts)
     inter = two_inter // 2
     programs = persistent_programs(
         a.device, rows, experts, tiles.block_m, triton.cdiv(inter, tiles.block_n)
