@@ -90,7 +90,8 @@ def sweep(tokens: int) -> None:
             except Exception as e:
                 print(f"    {c}: {type(e).__name__}: {str(e)[:80]}")
                 continue
-            steps[str(c)] = partial(lambda _, c, r: r(GroupedGemmConfig(*c)), c=c, r=run)
+            config = GroupedGemmConfig(*c)
+            steps[str(c)] = partial(lambda _, c, r: r(c), c=config, r=run)
         steps["shipped"] = partial(lambda _, r: r(None), r=run)
         if gemm == "gated":
             steps["fp8 kernel"] = lambda _: grouped_gemm_fp8_gated(
