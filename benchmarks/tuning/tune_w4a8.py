@@ -24,11 +24,11 @@ from vllm.model_executor.kernels.grouped_gemm import (
 )
 from vllm.model_executor.kernels.grouped_gemm.dispatch import GroupedGemmConfig
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
+    W4A8_GATED_TILES,
+    W4A8_TILES,
     grouped_gemm_w4a8,
     grouped_gemm_w4a8_gated,
     quantize_w4,
-    w4a8_config,
-    w4a8_gated_config,
 )
 
 EXPERTS, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
@@ -74,10 +74,7 @@ def sweep(tokens: int) -> None:
     def plain(config: GroupedGemmConfig | None) -> None:
         grouped_gemm_w4a8(act_q, act_scale, w2_q, w2_s, offsets, down, config)
 
-    shipped = {
-        "gated": w4a8_gated_config(rows, EXPERTS),
-        "down": w4a8_config(rows, EXPERTS),
-    }
+    shipped = {"gated": W4A8_GATED_TILES, "down": W4A8_TILES}
     runs: dict[str, Callable[[GroupedGemmConfig | None], None]] = {
         "gated": gated,
         "down": plain,
