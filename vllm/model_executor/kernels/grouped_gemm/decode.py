@@ -62,6 +62,20 @@ GROUP = tl.constexpr(W4_GROUP)  # uint4 weights' columns per scale, in the kerne
 
 
 @triton.jit
+def _nibbles(packed):
+    """fp32 ``(low - 8, high - 8)`` of uint8 pairs of uint4 values, with no
+    int-to-float conversion (a slow instruction): a nibble ORed into the
+    mantissa of 2^23 is 2^23 + q exactly."""
+    low = (packed & 15).to(tl.uint32) | 0x4B000000
+    high = (packed >> 4).to(tl.uint32) | 0x4B000000
+    bias = 8388616.0  # 2^23 + 8
+    return (
+        low.to(tl.float32, bitcast=True) - bias,
+        high.to(tl.float32, bitcast=True) - bias,
+    )
+
+
+@triton.jit
 def _w4_rows_dot(
     w_ptr,
     w_scale_ptr,
@@ -87,9 +101,10 @@ def _w4_rows_dot(
             mask=row_ok[:, None] & col_ok[None, :],
             other=0x88,
         )
-        terms = ((packed & 15).to(tl.float32) - 8.0) * x_even.to(tl.float32)[
-            None, :
-        ] + ((packed >> 4).to(tl.float32) - 8.0) * x_odd.to(tl.float32)[None, :]
+        low, high = _nibbles(packed)
+        terms = (
+            low * x_even.to(tl.float32)[None, :] + high * x_odd.to(tl.float32)[None, :]
+        )
         per_group = tl.sum(
             tl.reshape(terms, (ROWS, BLOCK_K // GROUP, GROUP // 2)), axis=2
         )
@@ -226,9 +241,8 @@ def _decode_down_kernel(
                 mask=tile_ok & (k + 2 * half < inter)[None, None, :],
                 other=0x88,
             )
-            terms = ((packed & 15).to(tl.float32) - 8.0) * a_even[:, None, :] + (
-                (packed >> 4).to(tl.float32) - 8.0
-            ) * a_odd[:, None, :]
+            low, high = _nibbles(packed)
+            terms = low * a_even[:, None, :] + high * a_odd[:, None, :]
             per_group = tl.sum(
                 tl.reshape(terms, (BLOCK_R, BLOCK_N, BLOCK_K // GROUP, GROUP // 2)),
                 axis=3,
