@@ -65,11 +65,17 @@ def test_lifecycle_and_reload_after_lock(checkpoints, device):
             runner.execute(torch.zeros(17, dtype=torch.long, device=device))
 
         runner.reload_weights(second)  # locked: must need no new workspace
-        ids = torch.randint(0, CONFIG.vocab_size, (5,), device=device)
-        logits = runner.execute(ids)
-        torch.testing.assert_close(
-            logits, reference_logits(second, ids, device), rtol=2e-2, atol=2e-2
-        )
+        # Token counts whose replay runs the eager reference's MoE path (on a
+        # GPU up to 8 tokens route by route, above that sorted): across paths
+        # bf16 rounding may flip a near-tied route, a whole expert's worth.
+        for tokens in (3, 16):
+            ids = torch.randint(0, CONFIG.vocab_size, (tokens,), device=device)
+            torch.testing.assert_close(
+                runner.execute(ids),
+                reference_logits(second, ids, device),
+                rtol=2e-2,
+                atol=2e-2,
+            )
         assert runner.manager.memory_report().total_bytes == total
     finally:
         reset_workspace_manager()
