@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from vllm.distributed import GroupCoordinator
+from tests.distributed.utils import init_gloo_world, run_workers, values
+from vllm.distributed import (
+    GroupCoordinator,
+    destroy_distributed_environment,
+    get_ep_group,
+    get_tp_group,
+    initialize_model_parallel,
+)
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import dequantize_w4, quantize_w4
 from vllm.model_executor.layers.attention import bind_kv_cache
@@ -21,9 +28,13 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.model_executor.models.qwen3_moe import (
+    Qwen3MoeAttention,
+    Qwen3MoeForCausalLM,
+)
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 _prefixes = (f"qwen3_moe_test_{i}." for i in itertools.count())
 PROMPTS = [[5, 17, 300, 2, 99, 41, 8], list(range(40, 73)), [7]]
@@ -41,6 +52,7 @@ def load(
     dtype: str | torch.dtype = torch.float32,
     device="cpu",
     ep_group: GroupCoordinator | None = None,
+    tp_group: GroupCoordinator | None = None,
 ) -> Qwen3MoeForCausalLM:
     model = get_model(
         path,
@@ -49,6 +61,7 @@ def load(
         device=device,
         prefix=next(_prefixes),
         ep_group=ep_group,
+        tp_group=tp_group,
     )
     assert isinstance(model, Qwen3MoeForCausalLM)
     return model
@@ -329,3 +342,60 @@ def test_online_quantization_matches_its_oracle(tmp_path, quantization, experts,
         assert error < bound
     with pytest.raises(ValueError, match="quantization: expected None or one of"):
         get_model(tmp_path, quantization="int8", prefix=next(_prefixes))
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, port: int, path) -> dict:
+    """This rank's logits of every prompt, from the checkpoint and from
+    dummy weights, with attention heads, dense MLPs and experts split over
+    the world's ranks; and the sizes of what it holds."""
+    init_gloo_world(rank, world_size, port)
+    init_workspace_manager("cpu")
+    try:
+        initialize_model_parallel(tensor_model_parallel_size=world_size)
+        tp, ep = get_tp_group(), get_ep_group()
+        out: dict = {}
+        for load_format in ("auto", "dummy"):
+            model = load(path, load_format, ep_group=ep, tp_group=tp)
+            out[load_format] = [our_logits(model, ids) for ids in PROMPTS]
+        attn = next(m for m in model.modules() if isinstance(m, Qwen3MoeAttention))
+        out["heads"] = (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.weight.shape)
+        return out
+    finally:
+        reset_workspace_manager()
+        destroy_distributed_environment()
+
+
+def test_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint):
+    """fp32 on 2 gloo ranks: each holds half the query and KV heads, half of
+    the dense MLP's intermediate columns and half the experts, and both
+    compute the single-process logits (checkpoint and dummy weights: the
+    dummy tensors are drawn whole, then split)."""
+    path, _ = checkpoint
+    whole = {
+        load_format: [our_logits(load(path, load_format), ids) for ids in PROMPTS]
+        for load_format in ("auto", "dummy")
+    }
+    for result in values(run_workers(_tensor_parallel_worker, 2, path)):
+        heads, kv_heads, qkv_shape = result["heads"]
+        assert (2 * heads, 2 * kv_heads) == (4, 2)  # the tiny model's heads
+        assert qkv_shape[0] == (heads + 2 * kv_heads) * 32
+        for load_format, logits in whole.items():
+            for mine, ref in zip(result[load_format], logits, strict=True):
+                torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tensor_parallelism_needs_even_splits_and_the_experts_group(checkpoint):
+    path, _ = checkpoint
+    group = GroupCoordinator(
+        name="tp",
+        ranks=[0, 1, 2],
+        rank=1,
+        device_group=None,  # the checks read the layout only
+        backend="gloo",
+        device=torch.device("cpu"),
+        timeout=timedelta(seconds=1),
+    )
+    with pytest.raises(ValueError, match=r"^tp_group: tensor parallelism shards"):
+        load(path, tp_group=group)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: 3 ranks must split"):
+        load(path, ep_group=group, tp_group=group)

@@ -63,6 +63,7 @@ def get_model(
     prefix: str = "",
     ep_group: GroupCoordinator | None = None,
     all2all_backend: str = "allgather_reducescatter",
+    tp_group: GroupCoordinator | None = None,
 ) -> nn.Module:
     """The loaded model of checkpoint directory ``model``, in inference mode
     (no gradients); ``seed`` draws the dummy weights. ``quantization``
@@ -71,7 +72,8 @@ def get_model(
     experts and the attention and dense MLP linears) or "w4a8" (experts:
     uint4 weights in groups of 128, fp8 activations per token). ``ep_group`` shards
     the experts over its ranks, exchanging tokens through
-    ``all2all_backend``."""
+    ``all2all_backend``; ``tp_group`` (the same ranks) shards attention heads
+    and dense MLPs too, its ranks holding the same tokens."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}"
@@ -89,6 +91,7 @@ def get_model(
         prefix=prefix,
         ep_group=ep_group,
         all2all_backend=all2all_backend,
+        tp_group=tp_group,
     )
     if load_format == "dummy":
         net.load_weights(_dummy_weights(net, seed, torch.device(device)))

@@ -99,8 +99,10 @@ class Qwen3MoeModelConfig:
 @dataclass(frozen=True)
 class BuildArgs:
     """How every layer is built: dtype, device, the experts backend, the
-    online quantization (None, "fp8", "w4a16" or "w4a8") and, under expert
-    parallelism, the group the MoE layers shard their experts over."""
+    online quantization (None, "fp8", "w4a16" or "w4a8"), under expert
+    parallelism the group the MoE layers shard their experts over, and under
+    tensor parallelism the group that shards attention heads and dense MLPs
+    (its ranks hold the same tokens)."""
 
     dtype: torch.dtype
     device: Any
@@ -108,6 +110,36 @@ class BuildArgs:
     quantization: str | None = None
     ep_group: GroupCoordinator | None = None
     all2all_backend: str = "allgather_reducescatter"
+    tp_group: GroupCoordinator | None = None
+
+    def tp_shard(self, n: int, what: str) -> tuple[int, int]:
+        """``(start, size)`` of this rank's share of ``n`` (``what``: named in
+        the error when the ranks cannot split it evenly)."""
+        if self.tp_group is None:
+            return 0, n
+        size, rank = self.tp_group.world_size, self.tp_group.rank_in_group
+        if n % size:
+            raise ValueError(
+                f"tensor_parallel_size: {size} ranks must split {what}={n} evenly"
+            )
+        return rank * (n // size), n // size
+
+
+Shard = tuple[tuple[int, ...], tuple[slice, ...]]
+"""A checkpoint tensor's full shape and the index of this rank's part."""
+
+
+def _rows(full: tuple[int, int], start: int, size: int) -> Shard:
+    return full, (slice(start, start + size),)
+
+
+def _cols(full: tuple[int, int], start: int, size: int) -> Shard:
+    return full, (slice(None), slice(start, start + size))
+
+
+def _all_reduce(out: torch.Tensor, group: GroupCoordinator | None) -> torch.Tensor:
+    """A row-parallel product's sum over the tensor-parallel ranks."""
+    return out if group is None else group.all_reduce(out)
 
 
 QUANTIZATIONS = {
@@ -126,15 +158,19 @@ def _linear(n_in: int, n_out: int, args: BuildArgs, quantize: bool = True) -> nn
 
 
 class Qwen3MoeAttention(nn.Module):
+    """Under tensor parallelism a rank holds a share of the query and KV
+    heads (q/k/v rows, ``o_proj`` columns) and sums ``o_proj``'s output over
+    the ranks."""
+
     def __init__(self, config: Qwen3MoeModelConfig, args: BuildArgs):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         dtype, device = args.dtype, args.device
-        self.num_heads, self.num_kv_heads = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-        )
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head0, self.num_heads = args.tp_shard(heads, "num_attention_heads")
+        kv_head0, self.num_kv_heads = args.tp_shard(kv_heads, "num_key_value_heads")
         self.head_dim = d
+        self.tp_group = args.tp_group
         # q, k and v in one GEMM; checkpoints name them apart (qkv_shards)
         q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = _linear(h, q_rows + 2 * kv_rows, args)
@@ -143,7 +179,13 @@ class Qwen3MoeAttention(nn.Module):
             "k_proj": slice(q_rows, q_rows + kv_rows),
             "v_proj": slice(q_rows + kv_rows, q_rows + 2 * kv_rows),
         }
-        self.o_proj = _linear(self.num_heads * d, h, args)
+        self.checkpoint_shards = {
+            "q_proj": _rows((heads * d, h), head0 * d, q_rows),
+            "k_proj": _rows((kv_heads * d, h), kv_head0 * d, kv_rows),
+            "v_proj": _rows((kv_heads * d, h), kv_head0 * d, kv_rows),
+            "o_proj": _cols((h, heads * d), head0 * d, q_rows),
+        }
+        self.o_proj = _linear(q_rows, h, args)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(
@@ -161,7 +203,7 @@ class Qwen3MoeAttention(nn.Module):
         )
         if not runs_gpu_kernels(q) or self.head_dim & (self.head_dim - 1):
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-            return self.o_proj(self.attn(q, k, v))
+            return _all_reduce(self.o_proj(self.attn(q, k, v)), self.tp_group)
         # norms, rotations and, in a batched step, the KV-cache store in one
         # kernel (power-of-two heads)
         meta = current_attn_metadata()
@@ -178,20 +220,30 @@ class Qwen3MoeAttention(nn.Module):
             v=v,
             slot_mapping=None if meta is None else meta.slot_mapping,
         )
-        return self.o_proj(self.attn(q, k, v, kv_stored=cache is not None))
+        out = self.o_proj(self.attn(q, k, v, kv_stored=cache is not None))
+        return _all_reduce(out, self.tp_group)
 
 
 class Qwen3MoeMLP(nn.Module):
-    """The dense layers' gated MLP: ``down(silu(gate(x)) * up(x))``."""
+    """The dense layers' gated MLP: ``down(silu(gate(x)) * up(x))``; under
+    tensor parallelism a share of the intermediate columns per rank."""
 
     def __init__(self, hidden: int, inter: int, args: BuildArgs):
         super().__init__()
-        self.gate_proj = _linear(hidden, inter, args)
-        self.up_proj = _linear(hidden, inter, args)
-        self.down_proj = _linear(inter, hidden, args)
+        start, local = args.tp_shard(inter, "intermediate_size")
+        self.tp_group = args.tp_group
+        self.gate_proj = _linear(hidden, local, args)
+        self.up_proj = _linear(hidden, local, args)
+        self.down_proj = _linear(local, hidden, args)
+        self.checkpoint_shards = {
+            "gate_proj": _rows((inter, hidden), start, local),
+            "up_proj": _rows((inter, hidden), start, local),
+            "down_proj": _cols((hidden, inter), start, local),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _all_reduce(out, self.tp_group)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -220,6 +272,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             device=args.device,
             ep_group=ep,
             all2all_backend=args.all2all_backend,
+            replicated_tokens=args.tp_group is not None,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,16 +366,31 @@ class Qwen3MoeForCausalLM(nn.Module):
         prefix: str = "",
         ep_group: GroupCoordinator | None = None,
         all2all_backend: str = "allgather_reducescatter",
+        tp_group: GroupCoordinator | None = None,
     ):
         super().__init__()
+        ep_ranks = None if ep_group is None else ep_group.ranks
+        if tp_group is not None and ep_ranks != tp_group.ranks:
+            raise ValueError(
+                f"tp_group: tensor parallelism shards the experts over its own "
+                f"ranks (an expert-parallel group of the same ranks), got "
+                f"tp_group ranks {tp_group.ranks} and ep_group {ep_ranks}"
+            )
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization: expected None or one of {list(QUANTIZATIONS)}, got "
                 f"{quantization!r}"
             )
         self.config = config
+        self.tp_group = tp_group
         args = BuildArgs(
-            dtype, device, moe_backend, quantization, ep_group, all2all_backend
+            dtype,
+            device,
+            moe_backend,
+            quantization,
+            ep_group,
+            all2all_backend,
+            tp_group,
         )
         self.model = Qwen3MoeModel(config, f"{prefix}model", args)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, args, False)
@@ -338,45 +406,57 @@ class Qwen3MoeForCausalLM(nn.Module):
     def moe_layers(self) -> list[FusedMoE]:
         return [m for m in self.modules() if isinstance(m, FusedMoE)]
 
-    def _dense_tensors(self) -> dict[str, tuple[nn.Parameter, slice]]:
+    def _dense_tensors(self) -> dict[str, tuple[nn.Parameter, slice, Shard | None]]:
         """Every tensor a checkpoint names directly, as the parameter (and
-        its rows) it loads into: the experts' load through their FusedMoE,
-        q/k/v into their rows of ``qkv_proj``, a tied head is the embedding."""
+        its rows) it loads into and, under tensor parallelism, the part of
+        it this rank holds: the experts' load through their FusedMoE, q/k/v
+        into their rows of ``qkv_proj``, a tied head is the embedding."""
         experts = {name for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         stacked = {
             f"{name}.qkv_proj.weight": (name, m.qkv_shards)
             for name, m in self.named_modules()
             if isinstance(m, Qwen3MoeAttention)
         }
+        shards = {
+            f"{name}.{proj}.weight": shard
+            for name, m in self.named_modules()
+            if isinstance(m, Qwen3MoeAttention | Qwen3MoeMLP)
+            for proj, shard in m.checkpoint_shards.items()
+        }
+        tp = self.tp_group is not None
         tensors = {}
         for name, param in self.named_parameters():
             if name.rsplit(".", 1)[0] in experts:
                 continue
             if name in stacked:
-                prefix, shards = stacked[name]
-                for shard, rows in shards.items():
-                    tensors[f"{prefix}.{shard}.weight"] = (param, rows)
+                prefix, parts = stacked[name]
+                for part, rows in parts.items():
+                    full = f"{prefix}.{part}.weight"
+                    tensors[full] = (param, rows, shards[full] if tp else None)
             else:
-                tensors[name] = (param, slice(None))
+                shard = shards.get(name) if tp else None
+                tensors[name] = (param, slice(None), shard)
         return tensors
 
     def checkpoint_shapes(self) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
         """Name, shape and dtype of every tensor of a checkpoint that this
         model (this expert-parallel rank) loads, experts as per-expert
-        tensors."""
-        for name, (param, rows) in self._dense_tensors().items():
-            yield name, tuple(param[rows].shape), param.dtype
+        tensors; tensors that tensor parallelism splits in their full
+        shape."""
+        for name, (param, rows, shard) in self._dense_tensors().items():
+            shape = tuple(param[rows].shape) if shard is None else shard[0]
+            yield name, shape, param.dtype
         for name, layer in self.named_modules():
             if isinstance(layer, FusedMoE):
                 moe = layer.moe
                 h, i = moe.hidden_size, moe.intermediate_size
                 for e in moe.placement.local_experts:
-                    for shard, shape in (
+                    for part, shape in (
                         ("gate", (i, h)),
                         ("up", (i, h)),
                         ("down", (h, i)),
                     ):
-                        yield f"{name}.{e}.{shard}_proj.weight", shape, moe.in_dtype
+                        yield f"{name}.{e}.{part}_proj.weight", shape, moe.in_dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by their Hugging Face names, then prepare
@@ -404,14 +484,15 @@ class Qwen3MoeForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"weights: {name!r} is not a tensor of this model")
-            param, rows = params[name]
+            param, rows, shard = params[name]
             target = param.data[rows]
-            if tensor.shape != target.shape:
+            expected = tuple(target.shape) if shard is None else shard[0]
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"weights: {name!r} expected shape {list(target.shape)}, got "
+                    f"weights: {name!r} expected shape {list(expected)}, got "
                     f"{list(tensor.shape)}"
                 )
-            target.copy_(tensor)
+            target.copy_(tensor if shard is None else tensor[shard[1]])
             missing.discard(name)
         for prefix, parts in fused.items():
             if parts.keys() != {"gate_up_proj", "down_proj"}:

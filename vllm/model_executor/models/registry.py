@@ -27,6 +27,7 @@ class CausalLM(Protocol):
         prefix: str,
         ep_group: GroupCoordinator | None,
         all2all_backend: str,
+        tp_group: GroupCoordinator | None,
     ) -> None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...

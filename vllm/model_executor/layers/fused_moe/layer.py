@@ -10,8 +10,10 @@ Expert parallelism: a layer given an expert-parallel group (``ep_group``,
 whose size and rank must be ``moe.ep_size`` / ``moe.ep_rank``) holds only its
 rank's experts (linear placement, :mod:`.expert_placement`), loads only their
 weights, and exchanges tokens with the other ranks through the
-``all2all_backend`` chosen by name (:mod:`.prepare_finalize`). Without a group
-a layer with ``ep_size`` > 1 computes its local experts' share only.
+``all2all_backend`` chosen by name (:mod:`.prepare_finalize`), or, where
+every rank of the group holds the same tokens (``replicated_tokens``: tensor
+parallelism), sums the ranks' shares. Without a group a layer with
+``ep_size`` > 1 computes its local experts' share only.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class FusedMoE(nn.Module):
         device: torch.device | str | None = None,
         ep_group: GroupCoordinator | None = None,
         all2all_backend: str = "allgather_reducescatter",
+        replicated_tokens: bool = False,
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -172,6 +175,7 @@ class FusedMoE(nn.Module):
         self.backend = backend
         self.ep_group = ep_group
         self.all2all_backend = all2all_backend
+        self.replicated_tokens = replicated_tokens
         self.w13_weight: nn.Parameter | None = None
         self.w2_weight: nn.Parameter | None = None
         self._create_weights()
@@ -303,7 +307,11 @@ class FusedMoE(nn.Module):
 
     def _make_kernel(self, experts: FusedMoEExperts) -> FusedMoEModularKernel:
         prepare_finalize = make_prepare_finalize(
-            self.all2all_backend, self.ep_group, self.moe.placement, self.device
+            self.all2all_backend,
+            self.ep_group,
+            self.moe.placement,
+            self.device,
+            self.replicated_tokens,
         )
         return FusedMoEModularKernel(prepare_finalize, experts)
 

@@ -7,7 +7,9 @@ Backends by name (``all2all_backend``, as vLLM's ``--all2all-backend``):
 - ``all2all``: each token goes only to the ranks owning its experts
   (``all_to_all_single``) and its partial outputs come back.
 
-Without an expert-parallel group the single-process
+Ranks that hold the same tokens (tensor parallelism) exchange none:
+``replicated`` sums their partial outputs. Without an expert-parallel group
+the single-process
 :class:`~vllm.model_executor.layers.fused_moe.modular_kernel.MoEPrepareAndFinalizeNoEP`
 runs.
 """
@@ -27,6 +29,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 
 from .all2all import MoEPrepareAndFinalizeAll2All
 from .allgather_reducescatter import MoEPrepareAndFinalizeAllGatherReduceScatter
+from .replicated import MoEPrepareAndFinalizeReplicated
 
 ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all")
 
@@ -44,12 +47,16 @@ def make_prepare_finalize(
     ep_group: GroupCoordinator | None,
     placement: ExpertPlacement,
     device: torch.device,
+    replicated_tokens: bool = False,
 ) -> FusedMoEPrepareAndFinalize[Any]:
     """The prepare/finalize of a layer with ``placement`` on ``device``;
-    single-process without ``ep_group``."""
+    single-process without ``ep_group``; no exchange where every rank of
+    the group holds the same tokens (``replicated_tokens``)."""
     check_all2all_backend(all2all_backend)
     if ep_group is None:
         return MoEPrepareAndFinalizeNoEP()
+    if replicated_tokens:
+        return MoEPrepareAndFinalizeReplicated(ep_group)
     if all2all_backend == "all2all":
         return MoEPrepareAndFinalizeAll2All(ep_group, placement, device)
     return MoEPrepareAndFinalizeAllGatherReduceScatter(ep_group)
