@@ -94,8 +94,10 @@ def write_results(
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    """Data + expert parallelism flags, as ``vllm serve`` spells them."""
+    """Data / tensor + expert parallelism flags, as ``vllm serve`` spells
+    them."""
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument(
         "--all2all-backend", choices=ALL2ALL_BACKENDS, default=ALL2ALL_BACKENDS[0]
@@ -106,6 +108,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 def parallel_flags(args: argparse.Namespace) -> list[str]:
     """:func:`add_parallel_args`' flags as given, for a command line."""
     flags = ["--data-parallel-size", str(args.data_parallel_size)]
+    flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     flags += ["--all2all-backend", args.all2all_backend]
     flags += ["--enable-expert-parallel"] if args.enable_expert_parallel else []
     return flags + (["--enable-dbo"] if args.enable_dbo else [])
@@ -115,6 +118,7 @@ def parallel_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM`` keyword arguments of :func:`add_parallel_args`' flags."""
     return {
         "data_parallel_size": args.data_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "all2all_backend": args.all2all_backend,
         "enable_dbo": args.enable_dbo,

@@ -2,8 +2,9 @@
 
 ``LLM(model_dir, ...)`` builds an :class:`~vllm.v1.engine.core.EngineCore`
 (workspace manager, model, profile run, KV cache, lock) and a tokenizer
-from the checkpoint directory when it has one; with
-``data_parallel_size`` > 1 (and ``enable_expert_parallel``) a
+from the checkpoint directory when it has one; with more than one rank
+(``data_parallel_size`` or ``tensor_parallel_size`` > 1, with
+``enable_expert_parallel``) a
 :class:`~vllm.v1.engine.dp_engine.DPEngineCore` whose ranks 1..N-1 run in
 worker processes (``llm.engine.shutdown()`` stops them; so does dropping the
 ``LLM``). ``generate`` adds every
@@ -34,9 +35,7 @@ class LLM:
         prefix = f"llm{next(_engine_ids)}."  # layer names unique per engine
         config = EngineConfig(model, prefix=prefix, **engine_args)
         self.engine = (
-            DPEngineCore(config)
-            if config.data_parallel_size > 1
-            else EngineCore(config)
+            DPEngineCore(config) if config.world_size > 1 else EngineCore(config)
         )
         self.tokenizer = get_tokenizer(model)
         self._request_ids = itertools.count()

@@ -37,11 +37,12 @@ def test_help_lists_every_flag_with_its_default(capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["-tp", "2"], "--tensor-parallel-size: only 1 is supported"),
+        (["-tp", "2"], "--tensor-parallel-size: 2 ranks need --enable-expert"),
         (
-            ["-tp", "2", "--enable-expert-parallel"],
-            "--tensor-parallel-size: only 1 is supported",
+            ["-tp", "2", "-dp", "2", "--enable-expert-parallel"],
+            "--tensor-parallel-size: 2 ranks need --enable-expert",
         ),
+        (["-tp", "0"], "--tensor-parallel-size: expected >= 1"),
         (["--data-parallel-size", "4"], "--data-parallel-size: 4 ranks need --enable"),
         (["-dp", "0", "--enable-expert-parallel"], "--data-parallel-size: expected"),
         (["-dp", "2", "--enable-expert-parallel", "--all2all-backend", "x"], "invalid"),
@@ -59,16 +60,20 @@ def test_parallelism_is_refused_before_loading(capsys, flags, message):
     [
         (
             ["--data-parallel-size", "2", "--enable-expert-parallel"],
-            (2, True, "allgather_reducescatter"),
+            (2, True, "allgather_reducescatter", 1),
         ),
         (
             ["-dp", "4", "--enable-expert-parallel", "--all2all-backend", "all2all"],
-            (4, True, "all2all"),
+            (4, True, "all2all", 1),
         ),
-        ([], (1, False, "allgather_reducescatter")),
+        (
+            ["-tp", "2", "--enable-expert-parallel"],
+            (1, True, "allgather_reducescatter", 2),
+        ),
+        ([], (1, False, "allgather_reducescatter", 1)),
     ],
 )
-def test_data_and_expert_parallelism_reach_the_server(monkeypatch, flags, expected):
+def test_parallelism_flags_reach_the_server(monkeypatch, flags, expected):
     seen: list[argparse.Namespace] = []
     monkeypatch.setattr("vllm.entrypoints.openai.api_server.run_server", seen.append)
     main(["serve", "/some/model", *flags])
@@ -77,6 +82,7 @@ def test_data_and_expert_parallelism_reach_the_server(monkeypatch, flags, expect
         args.data_parallel_size,
         args.enable_expert_parallel,
         args.all2all_backend,
+        args.tensor_parallel_size,
     )
     assert got == expected
 

@@ -157,6 +157,29 @@ def test_dual_batch_overlap_changes_no_token(checkpoint, reference, all2all_back
         reset_workspace_manager()
 
 
+def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
+    """tensor_parallel_size=2 (heads, dense MLP and experts split; both ranks
+    run every request): one process's greedy tokens; an abort reaches the
+    other rank, whose blocks it frees."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, **ARGS, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        engine = dp_engine(llm)
+        assert token_ids(llm, PROMPTS, PARAMS) == reference
+        long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        engine.add_request(Request("tp-abort", PROMPTS[1], long))
+        for _ in range(3):
+            engine.step()
+        engine.finish_request("tp-abort")
+        engine.step()  # carries the abort to rank 1
+        assert not engine.has_unfinished_requests()
+        assert engine.stats().kv_cache_usage == 0
+        assert all(r.num_used_blocks == 0 for r in engine._reports)
+    finally:
+        dp_engine(llm).shutdown()
+        reset_workspace_manager()
+
+
 def test_four_ranks_match_one_process(checkpoint, reference):
     """4 gloo ranks (3 spawned), the default backend: one process's greedy
     tokens, with a rank left without requests."""
@@ -240,6 +263,10 @@ def test_configurations_are_checked(checkpoint):
         EngineConfig(checkpoint, enable_dbo=True)
     with pytest.raises(ValueError, match="data_parallel_size: expected >= 1"):
         EngineConfig(checkpoint, data_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need enable"):
+        EngineConfig(checkpoint, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need enable"):
+        EngineConfig(checkpoint, **DP, tensor_parallel_size=2)  # with dp 2
     # One rank holds every expert: expert parallelism is a no-op.
     assert not EngineConfig(checkpoint, enable_expert_parallel=True).expert_parallel
     with pytest.raises(ValueError, match="need an initialized expert-parallel group"):

@@ -4,10 +4,12 @@ Flags are spelled as vLLM spells them and ``--help`` shows every default.
 ``--data-parallel-size N --enable-expert-parallel`` runs N engine ranks (one
 process and one GPU each) with the experts sharded over them
 (:class:`~vllm.v1.engine.dp_engine.DPEngineCore`), exchanging tokens through
-``--all2all-backend``. ``--tensor-parallel-size`` other than 1, and
-``--data-parallel-size`` > 1 without ``--enable-expert-parallel``, are
-refused before anything loads. The server and the engine are imported only
-when the command runs, so ``vllm serve --help`` answers at once.
+``--all2all-backend``; ``--tensor-parallel-size N --enable-expert-parallel``
+runs N ranks that split the attention heads, the dense MLPs and the experts
+and all run every request. Either without ``--enable-expert-parallel``, or
+both at once, is refused before anything loads. The server and the engine
+are imported only when the command runs, so ``vllm serve --help`` answers at
+once.
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ def add_serve_parser(
         "-tp",
         type=int,
         default=1,
-        help="Only 1: attention is not sharded; shard the experts with "
-        "--data-parallel-size and --enable-expert-parallel (default: %(default)s).",
+        help="Ranks that split attention heads, dense MLPs and experts, all "
+        "running every request; > 1 needs --enable-expert-parallel and "
+        "--data-parallel-size 1 (default: %(default)s).",
     )
     parser.add_argument(
         "--data-parallel-size",
@@ -142,8 +145,7 @@ def add_serve_parser(
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",
-        help="Shard the experts over the data-parallel ranks; every rank runs "
-        "eagerly, without CUDA graphs (default: off).",
+        help="Shard the experts over the ranks (default: off).",
     )
     parser.add_argument(
         "--all2all-backend",
@@ -170,14 +172,20 @@ def add_serve_parser(
 
 def check_parallelism(args: argparse.Namespace) -> str | None:
     """Why the parallelism flags cannot run, or None."""
-    if args.tensor_parallel_size != 1:
+    for flag, value in (
+        ("--data-parallel-size", args.data_parallel_size),
+        ("--tensor-parallel-size", args.tensor_parallel_size),
+    ):
+        if value < 1:
+            return f"{flag}: expected >= 1, got {value}"
+    if args.tensor_parallel_size > 1 and (
+        args.data_parallel_size > 1 or not args.enable_expert_parallel
+    ):
         return (
-            f"--tensor-parallel-size: only 1 is supported (attention is not "
-            f"sharded; shard the experts with --data-parallel-size N "
-            f"--enable-expert-parallel), got {args.tensor_parallel_size}"
+            f"--tensor-parallel-size: {args.tensor_parallel_size} ranks need "
+            f"--enable-expert-parallel (the experts split over the same ranks) "
+            f"and --data-parallel-size 1 (both at once are not supported)"
         )
-    if args.data_parallel_size < 1:
-        return f"--data-parallel-size: expected >= 1, got {args.data_parallel_size}"
     if args.data_parallel_size > 1 and not args.enable_expert_parallel:
         return (
             f"--data-parallel-size: {args.data_parallel_size} ranks need "

@@ -247,6 +247,7 @@ def build_async_engine(
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         all2all_backend=args.all2all_backend,
         enable_dbo=args.enable_dbo,

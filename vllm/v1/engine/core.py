@@ -18,10 +18,17 @@ the ranks and steps them in lockstep. Their runners agree on each step's
 shape and replay CUDA graphs of one size (eager with the ``all2all``
 backend or dual-batch overlap), and a rank without work runs
 :meth:`EngineCore.execute_dummy_batch` so that its MoE layers meet the
-other ranks' collectives. ``enable_expert_parallel`` with
-``data_parallel_size`` 1 is a no-op (one rank holds every expert), and
-``data_parallel_size`` > 1 without it is refused: data parallelism exists
-here to shard the experts.
+other ranks' collectives. ``enable_expert_parallel`` with one rank is a
+no-op (it holds every expert), and ``data_parallel_size`` > 1 without it is
+refused: data parallelism exists here to shard the experts.
+
+Tensor + expert parallelism (``tensor_parallel_size`` > 1 with
+``enable_expert_parallel``, ``data_parallel_size`` 1): the ranks split the
+attention heads, the dense MLPs and the experts, and every rank runs the
+same batch: each one's engine gets the same requests (from
+``DPEngineCore``), the ranks agree on one KV cache size, and their
+schedulers, steps and greedy or seeded samples stay identical (the logits
+are, after the all-reduces).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from vllm.distributed import (
     CollectiveError,
     GroupCoordinator,
     get_ep_group,
+    get_tp_group,
     model_parallel_is_initialized,
 )
 from vllm.logger import init_logger
@@ -78,6 +86,8 @@ class EngineConfig:
     seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process
     data_parallel_size: int = 1  # ranks, one process (and one GPU) each
+    # ranks that split attention heads and dense MLPs, running the same batch
+    tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # shard the experts over the ranks
     all2all_backend: str = "allgather_reducescatter"  # the ranks' token exchange
     distributed_timeout_s: float = 600.0  # bound on every collective of the ranks
@@ -91,7 +101,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:
-            supported = self.data_parallel_size == 1
+            supported = self.world_size == 1
             on = supported and torch.device(self.device).type == "cuda"
             object.__setattr__(self, "async_scheduling", on)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -99,9 +109,19 @@ class EngineConfig:
                 f"gpu_memory_utilization: expected in (0, 1], got "
                 f"{self.gpu_memory_utilization}"
             )
-        if self.data_parallel_size < 1:
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1 and (
+            self.data_parallel_size > 1 or not self.enable_expert_parallel
+        ):
             raise ValueError(
-                f"data_parallel_size: expected >= 1, got {self.data_parallel_size}"
+                f"tensor_parallel_size: {self.tensor_parallel_size} ranks need "
+                f"enable_expert_parallel=True (the experts split over the same "
+                f"ranks) and data_parallel_size=1 (both at once are not "
+                f"supported), got enable_expert_parallel="
+                f"{self.enable_expert_parallel}, data_parallel_size="
+                f"{self.data_parallel_size}"
             )
         if self.data_parallel_size > 1 and not self.enable_expert_parallel:
             raise ValueError(
@@ -110,9 +130,9 @@ class EngineConfig:
                 f"experts; replicated experts are not supported)"
             )
         check_all2all_backend(self.all2all_backend)
-        if self.async_scheduling and self.data_parallel_size > 1:
+        if self.async_scheduling and self.world_size > 1:
             raise ValueError(
-                "async_scheduling: not supported with data_parallel_size > 1 "
+                "async_scheduling: not supported with more than one rank "
                 "(the ranks step in lockstep)"
             )
         if self.enable_dbo and not self.expert_parallel:
@@ -129,9 +149,14 @@ class EngineConfig:
             )
 
     @property
+    def world_size(self) -> int:
+        """Ranks: one process (and one GPU) each."""
+        return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
     def expert_parallel(self) -> bool:
         """The experts are sharded over more than one rank."""
-        return self.enable_expert_parallel and self.data_parallel_size > 1
+        return self.enable_expert_parallel and self.world_size > 1
 
 
 @dataclass(frozen=True)
@@ -180,8 +205,9 @@ class EngineCore:
         scheduler_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
-        # Checked before loading; None without expert parallelism.
+        # Checked before loading; None without expert (tensor) parallelism.
         self.ep_group = self._expert_parallel_group()
+        self.tp_group = get_tp_group() if config.tensor_parallel_size > 1 else None
         torch.manual_seed(config.seed)
         num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
@@ -219,11 +245,11 @@ class EngineCore:
         if not config.expert_parallel:
             return None
         group = get_ep_group() if model_parallel_is_initialized() else None
-        if group is None or group.world_size != config.data_parallel_size:
+        if group is None or group.world_size != config.world_size:
             raise ValueError(
-                f"data_parallel_size: {config.data_parallel_size} ranks with "
-                f"enable_expert_parallel need an initialized expert-parallel "
-                f"group of that size in every rank, got "
+                f"data_parallel_size x tensor_parallel_size: {config.world_size} "
+                f"ranks with enable_expert_parallel need an initialized "
+                f"expert-parallel group of that size in every rank, got "
                 f"{'none' if group is None else group.world_size}; build the "
                 f"engine with DPEngineCore or LLM(data_parallel_size=...)"
             )
@@ -258,6 +284,7 @@ class EngineCore:
             prefix=config.prefix,
             ep_group=ep_group,
             all2all_backend=config.all2all_backend,
+            tp_group=self.tp_group,
         )
         assert isinstance(model, Qwen3MoeForCausalLM)
         self.model = model
@@ -275,12 +302,15 @@ class EngineCore:
             self.max_model_len,
             config.enforce_eager or eager_ep,
             dbo=config.enable_dbo,
-            dp_group=None if eager_ep else ep_group,
+            # tensor-parallel ranks run the same steps: nothing to agree on
+            dp_group=None if eager_ep or self.tp_group is not None else ep_group,
         )
         self.runner.profile_run()
         num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks(
             config.gpu_memory_utilization
         )
+        if self.tp_group is not None:  # one batch on every rank: one cache size
+            num_blocks = min(n for (n,) in self.tp_group.all_gather_host([num_blocks]))
         if num_blocks * BLOCK_SIZE < self.max_model_len:
             raise ValueError(
                 f"gpu_memory_utilization/max_model_len: the KV cache holds "

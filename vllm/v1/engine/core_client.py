@@ -353,7 +353,7 @@ def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
     from vllm.v1.engine.dp_engine import DPEngineCore
 
     try:
-        engine_cls = DPEngineCore if config.data_parallel_size > 1 else EngineCore
+        engine_cls = DPEngineCore if config.world_size > 1 else EngineCore
         engine = engine_cls(config)
     except Exception as e:
         if not isinstance(e, ValueError):  # a bad setting needs no traceback

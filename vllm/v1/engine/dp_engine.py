@@ -1,4 +1,5 @@
-"""Data + expert parallelism on one node: N engine ranks stepped in lockstep.
+"""Data / tensor + expert parallelism on one node: N engine ranks stepped in
+lockstep.
 
 :class:`DPEngineCore` has :class:`~vllm.v1.engine.core.EngineCore`'s
 interface, so ``LLM`` and ``AsyncLLM`` drive it unchanged. The calling
@@ -12,13 +13,17 @@ Contract:
 - Construction spawns ranks 1..N-1 (``torch.multiprocessing``, spawn). Every
   rank joins one ``torch.distributed`` world on 127.0.0.1 (NCCL with GPU
   ``cuda:{rank}`` on CUDA, gloo on CPU), carves it with
-  ``initialize_model_parallel(1, N)`` and builds its own ``EngineCore``
+  ``initialize_model_parallel(tp, dp)`` and builds its own ``EngineCore``
   (workspace manager, experts of its shard, profile run, KV cache, lock):
   the profile runs meet in the MoE layers' collectives, then every rank
   captures the same CUDA graphs (see ``EngineCore``). Every rank's workspace
   report at lock comes to rank 0 (``workspace_reports``, in rank order).
-- Rank 0 assigns each new request to the rank with the fewest live
-  requests (the lowest such rank) and holds the caller's ``Request``.
+- Rank 0 assigns each new request to the data-parallel rank with the fewest
+  live requests (the lowest such rank) and holds the caller's ``Request``.
+  A data-parallel rank is a tensor-parallel group of ``tp`` consecutive
+  ranks (one rank without tensor parallelism): every rank of the group gets
+  the request (and its abort) and runs the same steps; the group's first
+  rank reports its tokens.
 - Each ``step()``: rank 0 broadcasts the step's commands (new requests per
   rank, aborts per rank) over a gloo group; every rank applies them and
   steps its engine, or runs a dummy forward when it has nothing to run
@@ -212,14 +217,16 @@ def _join_world(config: EngineConfig, rank: int, port: int) -> _ControlGroups:
     timeout = timedelta(seconds=config.distributed_timeout_s)
     cuda = torch.device(config.device).type == "cuda"
     init_distributed_environment(
-        config.data_parallel_size,
+        config.world_size,
         rank,
         get_distributed_init_method(_HOST, port),
         backend="nccl" if cuda else "gloo",
         timeout=timeout,
     )
     num_ubatches = 2 if config.enable_dbo else 1
-    initialize_model_parallel(1, config.data_parallel_size, num_ubatches)
+    initialize_model_parallel(
+        config.tensor_parallel_size, config.data_parallel_size, num_ubatches
+    )
     return _ControlGroups.create(timeout)
 
 
@@ -277,9 +284,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if torch.device(config.device).type == "cpu":
         # The ranks share the machine's cores.
-        torch.set_num_threads(
-            max(1, (os.cpu_count() or 1) // config.data_parallel_size)
-        )
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     limit_cpu_threads(config)
     control = _join_world(config, rank, port)
     try:
@@ -353,29 +358,32 @@ class _Workers:
 
 
 class DPEngineCore(EngineCore):
-    """``data_parallel_size`` engine ranks with sharded experts, driven from
-    this process (rank 0); see the module docstring."""
+    """``data_parallel_size`` x ``tensor_parallel_size`` engine ranks with
+    sharded experts, driven from this process (rank 0); see the module
+    docstring."""
 
     def __init__(self, config: EngineConfig) -> None:
         if not config.expert_parallel:
             raise ValueError(
                 f"data_parallel_size: DPEngineCore runs > 1 ranks with "
                 f"enable_expert_parallel, got data_parallel_size="
-                f"{config.data_parallel_size}, enable_expert_parallel="
+                f"{config.data_parallel_size}, tensor_parallel_size="
+                f"{config.tensor_parallel_size}, enable_expert_parallel="
                 f"{config.enable_expert_parallel}; use EngineCore"
             )
         cuda = torch.device(config.device).type == "cuda"
-        if cuda and config.data_parallel_size > torch.cuda.device_count():
+        if cuda and config.world_size > torch.cuda.device_count():
             raise ValueError(
-                f"data_parallel_size: expected <= the {torch.cuda.device_count()} "
-                f"visible GPUs (one per rank), got {config.data_parallel_size}"
+                f"data_parallel_size x tensor_parallel_size: expected <= the "
+                f"{torch.cuda.device_count()} visible GPUs (one per rank), got "
+                f"{config.world_size}"
             )
         if dist.is_initialized():
             raise RuntimeError(
                 "DPEngineCore: this process is already in a torch.distributed "
                 "world (another DPEngineCore?); shut that down first"
             )
-        size = config.data_parallel_size
+        size = config.world_size
         port = get_open_port(_HOST)
         ctx = mp.get_context("spawn")
         workers = _Workers(
@@ -408,7 +416,9 @@ class DPEngineCore(EngineCore):
                     f"data-parallel engine: start-up failed; {'; '.join(dead)}"
                 ) from e
             raise
-        self._remote: dict[str, tuple[int, Request]] = {}  # id -> (rank, request)
+        self._tp = config.tensor_parallel_size
+        # id -> (data-parallel rank, request), for ranks other than this one's
+        self._remote: dict[str, tuple[int, Request]] = {}
         self._adds: list[list[_NewRequest]] = [[] for _ in range(size)]
         self._aborts: list[list[tuple[str, str]]] = [[] for _ in range(size)]
         self._reports = [_report(self, [])] * size  # before the first step
@@ -425,41 +435,54 @@ class DPEngineCore(EngineCore):
 
     # -- requests ------------------------------------------------------------
 
-    def _load(self, rank: int) -> int:
-        if rank == 0:
+    def _ranks(self, dp_rank: int) -> range:
+        """The ranks of data-parallel rank ``dp_rank``'s tensor-parallel
+        group (one rank without tensor parallelism), which all run its
+        requests; this process is rank 0."""
+        return range(dp_rank * self._tp, (dp_rank + 1) * self._tp)
+
+    def _load(self, dp_rank: int) -> int:
+        if dp_rank == 0:
             return len(self.scheduler.running) + len(self.scheduler.waiting)
-        return sum(1 for r, _ in self._remote.values() if r == rank)
+        return sum(1 for r, _ in self._remote.values() if r == dp_rank)
 
     def add_request(self, request: Request) -> None:
-        """Check ``request`` and queue it on the least-loaded rank."""
+        """Check ``request`` and queue it on the least-loaded data-parallel
+        rank (every rank of its tensor-parallel group)."""
         self._check_alive()
         self.check_request(request)
         request_id = request.request_id
         if request_id in self._remote or self.scheduler.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
-        rank = min(range(self.config.data_parallel_size), key=self._load)
-        if rank == 0:
-            super().add_request(request)
-            return
-        self._adds[rank].append(
-            _NewRequest(
-                request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                request.eos_token_id,
-            )
+        dp_rank = min(range(self.config.data_parallel_size), key=self._load)
+        new = _NewRequest(
+            request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
         )
-        self._remote[request_id] = (rank, request)
+        for rank in self._ranks(dp_rank):
+            if rank == 0:
+                super().add_request(request)
+            else:
+                self._adds[rank].append(new)
+        if dp_rank != 0:
+            self._remote[request_id] = (dp_rank, request)
 
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
-        """Finish the request now; another rank frees its blocks at the next
+        """Finish the request now; other ranks free its blocks at the next
         step. A no-op for unknown or finished requests."""
-        if request_id not in self._remote:
+        if request_id in self._remote:
+            dp_rank, request = self._remote.pop(request_id)
+            request.finish(reason)
+        elif self.scheduler.has_request(request_id):
+            dp_rank = 0
             super().finish_request(request_id, reason)
+        else:
             return
-        rank, request = self._remote.pop(request_id)
-        request.finish(reason)
-        self._aborts[rank].append((request_id, reason))
+        for rank in self._ranks(dp_rank):
+            if rank != 0:
+                self._aborts[rank].append((request_id, reason))
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -472,7 +495,7 @@ class DPEngineCore(EngineCore):
     def stats(self) -> SchedulerStats:
         """All ranks' requests and KV cache usage (other ranks' as of the
         last step)."""
-        reports = [_report(self, []), *self._reports[1:]]
+        reports = [_report(self, []), *self._reports[self._tp :: self._tp]]
         return SchedulerStats(
             sum(r.num_running for r in reports),
             sum(r.num_waiting for r in reports),
@@ -495,7 +518,7 @@ class DPEngineCore(EngineCore):
             self._fail(DPEngineDeadError("; ".join(dead)))
         control = self._workers.control
         assert control is not None
-        size = self.config.data_parallel_size
+        size = self.config.world_size
         command = _StepCommand(self._adds, self._aborts)
         self._adds = [[] for _ in range(size)]
         self._aborts = [[] for _ in range(size)]
@@ -511,7 +534,8 @@ class DPEngineCore(EngineCore):
         except Exception as e:
             self._fail(e)
         self._reports = reports
-        for report in reports[1:]:
+        # a tensor-parallel group's first rank reports for all of them
+        for report in reports[self._tp :: self._tp]:
             finished += self._apply(report)
         return finished
 
