@@ -197,23 +197,30 @@ def test_four_ranks_match_one_process(checkpoint, reference):
         reset_workspace_manager()
 
 
+TWO_RANKS = {
+    "dp2": {**DP, "all2all_backend": "allgather_reducescatter"},
+    "dp2-all2all": {**DP, "all2all_backend": "all2all"},
+    "tp2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("all2all_backend", ALL2ALL_BACKENDS)
-def test_two_gpus_match_one(checkpoint, all2all_backend):
-    """bf16 over NCCL: 2 ranks (CUDA graphs with the default backend, every
-    step replayed at one size on both, the idle rank replaying padding;
-    eager with all2all) give one GPU's greedy tokens (bf16 ties may flip a
-    late token); rank 0 never grows its workspace after the lock and holds
-    one permute scratch."""
+@pytest.mark.parametrize("parallel", sorted(TWO_RANKS))
+def test_two_gpus_match_one(checkpoint, parallel):
+    """bf16 over NCCL: 2 ranks (CUDA graphs but with the all2all backend:
+    data-parallel ranks replay one size, an idle one padding; tensor-parallel
+    ones the same steps) give one GPU's greedy tokens (bf16 ties may flip a
+    late token); rank 0 never grows its workspace after the lock, and every
+    rank holds one permute scratch."""
     gpu = {**ARGS, "dtype": "bfloat16", "device": "cuda", "num_kv_blocks": 64}
     reset_workspace_manager()
     one = token_ids(LLM(checkpoint, **gpu), PROMPTS, PARAMS)
     reset_workspace_manager()
-    llm = LLM(checkpoint, **gpu, **DP, all2all_backend=all2all_backend)
+    llm = LLM(checkpoint, **gpu, **TWO_RANKS[parallel])
     try:
         runner = dp_engine(llm).runner
-        graphed = all2all_backend == "allgather_reducescatter"
+        graphed = parallel != "dp2-all2all"
         assert bool(runner.graphs) == bool(runner.mixed_graphs) == graphed
         manager = current_workspace_manager()
         before = manager.memory_report()
