@@ -171,10 +171,23 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
         for _ in range(3):
             engine.step()
         engine.finish_request("tp-abort")
+        with pytest.raises(ValueError, match="'tp-abort' is being aborted"):
+            engine.add_request(Request("tp-abort", PROMPTS[1], long))
         engine.step()  # carries the abort to rank 1
         assert not engine.has_unfinished_requests()
         assert engine.stats().kv_cache_usage == 0
         assert all(r.num_used_blocks == 0 for r in engine._reports)
+        # Unseeded sampling: both ranks draw alike (their engines' own
+        # generators), even when the caller uses the global generator.
+        hot = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+        request = Request("tp-hot", PROMPTS[0], hot)
+        engine.add_request(request)
+        peer: list[int] = []
+        while engine.has_unfinished_requests():
+            torch.rand(3)
+            engine.step()
+            peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
+        assert peer == request.output_token_ids and len(peer) == 12
     finally:
         dp_engine(llm).shutdown()
         reset_workspace_manager()
@@ -274,6 +287,11 @@ def test_configurations_are_checked(checkpoint):
         EngineConfig(checkpoint, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need enable"):
         EngineConfig(checkpoint, **DP, tensor_parallel_size=2)  # with dp 2
+    tp: dict[str, Any] = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    with pytest.raises(ValueError, match="enable_dbo: needs data_parallel_size > 1"):
+        EngineConfig(checkpoint, **tp, enable_dbo=True)
+    with pytest.raises(ValueError, match="all2all_backend: tensor-parallel ranks"):
+        EngineConfig(checkpoint, **tp, all2all_backend="all2all")
     # One rank holds every expert: expert parallelism is a no-op.
     assert not EngineConfig(checkpoint, enable_expert_parallel=True).expert_parallel
     with pytest.raises(ValueError, match="need an initialized expert-parallel group"):

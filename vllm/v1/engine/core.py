@@ -27,8 +27,9 @@ Tensor + expert parallelism (``tensor_parallel_size`` > 1 with
 attention heads, the dense MLPs and the experts, and every rank runs the
 same batch: each one's engine gets the same requests (from
 ``DPEngineCore``), the ranks agree on one KV cache size, and their
-schedulers, steps and greedy or seeded samples stay identical (the logits
-are, after the all-reduces).
+schedulers, steps and samples stay identical (the logits are, after the
+all-reduces, and unseeded requests draw from each engine's own generator,
+seeded alike).
 """
 
 from __future__ import annotations
@@ -130,12 +131,19 @@ class EngineConfig:
                 f"experts; replicated experts are not supported)"
             )
         check_all2all_backend(self.all2all_backend)
+        if self.tensor_parallel_size > 1 and self.all2all_backend == "all2all":
+            raise ValueError(
+                "all2all_backend: tensor-parallel ranks hold the same tokens and "
+                "exchange none; leave the default"
+            )
         if self.async_scheduling and self.world_size > 1:
             raise ValueError(
                 "async_scheduling: not supported with more than one rank "
                 "(the ranks step in lockstep)"
             )
-        if self.enable_dbo and not self.expert_parallel:
+        if self.enable_dbo and not (
+            self.enable_expert_parallel and self.data_parallel_size > 1
+        ):
             raise ValueError(
                 f"enable_dbo: needs data_parallel_size > 1 with "
                 f"enable_expert_parallel (the micro-batches overlap the ranks' "
@@ -209,6 +217,10 @@ class EngineCore:
         self.ep_group = self._expert_parallel_group()
         self.tp_group = get_tp_group() if config.tensor_parallel_size > 1 else None
         torch.manual_seed(config.seed)
+        # Unseeded requests draw from the engine's own generator: nothing
+        # else in the process advances it, so tensor-parallel ranks (which
+        # must sample alike) stay in step whatever the caller does.
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device, num_ubatches=num_ubatches)
@@ -405,6 +417,7 @@ class EngineCore:
                 logits,
                 [c.request.sampling_params for c in sampling],
                 [c.request.generator for c in sampling],
+                self.generator,
             )
             done = None
             if self._bounded_wait:

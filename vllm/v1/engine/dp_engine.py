@@ -454,6 +454,11 @@ class DPEngineCore(EngineCore):
         request_id = request.request_id
         if request_id in self._remote or self.scheduler.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if any(request_id == r for aborts in self._aborts for r, _ in aborts):
+            # the ranks apply a step's adds before its aborts
+            raise ValueError(
+                f"request_id: {request_id!r} is being aborted until the next step"
+            )
         dp_rank = min(range(self.config.data_parallel_size), key=self._load)
         new = _NewRequest(
             request_id,

@@ -110,10 +110,11 @@ def sample_async(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    generator: torch.Generator | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [R, V], left on the device with its
     host copy under way; ``generators[i]`` draws row i's randomness (None:
-    the global generator)."""
+    ``generator``'s, the engine's; None: the global generator's)."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
@@ -126,7 +127,7 @@ def sample_async(
         # The exponential race: argmax(p / E), E ~ Exp(1), draws from p. A
         # seeded row draws from its own generator (the same tokens in any
         # batch); the others in one draw.
-        race = torch.empty_like(probs).exponential_()
+        race = torch.empty_like(probs).exponential_(generator=generator)
         for row, i in enumerate(random):
             if generators[i] is not None:
                 race[row].exponential_(generator=generators[i])
