@@ -84,7 +84,9 @@ def main() -> None:
         torch.cuda.synchronize()
 
     chunks = engine.scheduler.schedule()
+    # no graph at all: a decode step would otherwise replay one with prefill
     graphs, runner.graphs = runner.graphs, {}
+    mixed, runner.mixed_graphs = runner.mixed_graphs, {}
     with runner.on_stream():
         runner.execute(chunks, engine.pool)
         torch.cuda.synchronize()
@@ -92,7 +94,7 @@ def main() -> None:
             for _ in range(5):
                 runner.execute(chunks, engine.pool)
             torch.cuda.synchronize()
-    runner.graphs = graphs
+    runner.graphs, runner.mixed_graphs = graphs, mixed
     print(
         f"engine step {step_ms:.3f} ms | graph replay {replay_ms:.3f} ms "
         f"(batch {args.batch_size})"
