@@ -5,7 +5,9 @@ ceiling, measured in the same run).
 Spawns one process per GPU itself (no torchrun) and runs NCCL; without CUDA
 it runs gloo on the CPU at tiny sizes (a smoke run). Times are the slowest
 rank's median per call; GB/s counts the bytes a rank receives from its peers
-(dispatch: tokens, routing; combine: output rows), averaged over ranks.
+(dispatch: tokens, routing; combine: output rows), averaged over ranks. The
+all-gather backend runs twice: exchanging the token counts first, and with
+them known (the engine's steps, which replay it in CUDA graphs).
 
     python benchmarks/kernels/benchmark_all2all.py --world-size 2 \
         --tokens 1 64 512 4096 8192 --hidden 2048 7168 --topk 8
@@ -33,6 +35,7 @@ from vllm.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from vllm.forward_context import DPMetadata, set_forward_context
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.expert_placement import ExpertPlacement
 from vllm.model_executor.layers.fused_moe.modular_kernel import PrepareResult
@@ -117,12 +120,18 @@ def bench_backend(
     weights: torch.Tensor,
     ids: torch.Tensor,
     iters: int,
+    dp: DPMetadata | None,
 ) -> dict[str, float]:
     quant = FusedMoEQuantConfig()
     pf = make_prepare_finalize(backend, group, placement, group.device)
-    prepared = pf.prepare(x, weights, ids, quant)
+
+    def prepare() -> PrepareResult:
+        with set_forward_context(None, dp):
+            return pf.prepare(x, weights, ids, quant)
+
+    prepared = prepare()
     fused_out = torch.randn_like(prepared.a1q)
-    dispatch_us = _time_us(group, lambda: pf.prepare(x, weights, ids, quant), iters)
+    dispatch_us = _time_us(group, prepare, iters)
     combine_us = _time_us(group, lambda: pf.finalize(fused_out, prepared), iters)
     dispatch_bytes, combine_bytes = _peer_bytes(prepared, group)
     ceiling_us = _ceiling_us(group, dispatch_bytes, iters)
@@ -152,7 +161,13 @@ def bench(args: argparse.Namespace, group: GroupCoordinator, name: str) -> list[
             )
             scores = torch.rand(tokens, args.num_experts, device=device, generator=gen)
             weights, ids = scores.topk(args.topk, dim=1)
-            for backend in ALL2ALL_BACKENDS:
+            # the engine's steps know every rank's count before the step
+            counts = DPMetadata([tokens] * group.world_size)
+            for backend, label, dp in (
+                (ALL2ALL_BACKENDS[0], ALL2ALL_BACKENDS[0], None),
+                (ALL2ALL_BACKENDS[0], "allgather (counts known)", counts),
+                (ALL2ALL_BACKENDS[1], ALL2ALL_BACKENDS[1], None),
+            ):
                 timings = bench_backend(
                     group,
                     backend,
@@ -161,6 +176,7 @@ def bench(args: argparse.Namespace, group: GroupCoordinator, name: str) -> list[
                     weights,
                     ids.to(torch.int32),
                     args.iters,
+                    dp,
                 )
                 rows.append(
                     Row(
@@ -169,7 +185,7 @@ def bench(args: argparse.Namespace, group: GroupCoordinator, name: str) -> list[
                         tokens=tokens,
                         hidden=hidden,
                         topk=args.topk,
-                        backend=backend,
+                        backend=label,
                         **timings,
                     )
                 )
@@ -179,7 +195,7 @@ def bench(args: argparse.Namespace, group: GroupCoordinator, name: str) -> list[
 def print_table(rows: list[Row]) -> None:
     header = (
         f"{'device':>22} {'ranks':>5} {'T/rank':>6} {'hidden':>6} {'topk':>4} "
-        f"{'backend':>23} | {'dispatch us':>11} {'GB/s':>7} | {'combine us':>10} "
+        f"{'backend':>24} | {'dispatch us':>11} {'GB/s':>7} | {'combine us':>10} "
         f"{'GB/s':>7} | {'a2a us':>8} {'GB/s':>7}"
     )
     print(header)
@@ -187,7 +203,7 @@ def print_table(rows: list[Row]) -> None:
     for r in rows:
         print(
             f"{r.device[:22]:>22} {r.ranks:>5} {r.tokens:>6} {r.hidden:>6} "
-            f"{r.topk:>4} {r.backend:>23} | {r.dispatch_us:>11.1f} "
+            f"{r.topk:>4} {r.backend:>24} | {r.dispatch_us:>11.1f} "
             f"{r.dispatch_gbps:>7.2f} | {r.combine_us:>10.1f} {r.combine_gbps:>7.2f} "
             f"| {r.ceiling_us:>8.1f} {r.ceiling_gbps:>7.2f}"
         )
