@@ -160,7 +160,8 @@ def test_dual_batch_overlap_changes_no_token(checkpoint, reference, all2all_back
 def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
     """tensor_parallel_size=2 (heads, dense MLP and experts split; both ranks
     run every request): one process's greedy tokens; an abort reaches the
-    other rank, whose blocks it frees."""
+    other rank, whose blocks it frees; unseeded samples agree on both ranks,
+    and a rank that samples otherwise stops the engine."""
     reset_workspace_manager()
     llm = LLM(checkpoint, **ARGS, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
@@ -188,6 +189,12 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
             engine.step()
             peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
         assert peer == request.output_token_ids and len(peer) == 12
+        # A rank that samples otherwise stops the engine with a named error.
+        engine.generator = torch.Generator().manual_seed(12345)
+        engine.add_request(Request("tp-astray", PROMPTS[0], hot))
+        with pytest.raises(DPEngineDeadError, match=r"rank 1 sampled .* out of step"):
+            for _ in range(12):
+                engine.step()
     finally:
         dp_engine(llm).shutdown()
         reset_workspace_manager()

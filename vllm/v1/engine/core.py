@@ -335,6 +335,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.pool)
         # steps whose graphs hold collectives: their host sync is bounded
         self._bounded_wait = ep_group is not None and bool(self.runner.graphs)
+        self.last_tokens: dict[str, int] = {}  # tensor parallelism: by request
         self.last_step = StepShape(0, 0)
         self._in_flight: _Launched | None = None
 
@@ -438,6 +439,11 @@ class EngineCore:
             chunk.request.resolve_token(
                 token.token_id, token.logprob, token.top_logprobs
             )
+        if self.tp_group is not None:  # what the other ranks must have sampled
+            self.last_tokens = {
+                c.request.request_id: t.token_id
+                for c, t in zip(launched.sampling, tokens, strict=True)
+            }
         return self.scheduler.finish_step(launched.chunks)
 
     def _wait_bounded(self, done: torch.cuda.Event) -> None:

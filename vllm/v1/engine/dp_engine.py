@@ -527,6 +527,7 @@ class DPEngineCore(EngineCore):
         command = _StepCommand(self._adds, self._aborts)
         self._adds = [[] for _ in range(size)]
         self._aborts = [[] for _ in range(size)]
+        self.last_tokens = {}
         try:
             control.broadcast_command(command)
             if super().has_unfinished_requests():
@@ -539,10 +540,27 @@ class DPEngineCore(EngineCore):
         except Exception as e:
             self._fail(e)
         self._reports = reports
+        for rank in range(1, self._tp):
+            self._check_in_step(rank, reports[rank])
         # a tensor-parallel group's first rank reports for all of them
         for report in reports[self._tp :: self._tp]:
             finished += self._apply(report)
         return finished
+
+    def _check_in_step(self, rank: int, report: _RankReport) -> None:
+        """Fail (rather than mix two sequences' activations, or hang at the
+        next collective) when a rank of this process's tensor-parallel group
+        sampled other tokens than this one."""
+        for delta in report.deltas:
+            mine = self.last_tokens.get(delta.request_id)
+            if delta.token_ids != ([] if mine is None else [mine]):
+                self._fail(
+                    DPEngineDeadError(
+                        f"tensor-parallel rank {rank} sampled {delta.token_ids} "
+                        f"for request {delta.request_id!r} where rank 0 sampled "
+                        f"{mine}: the ranks are out of step"
+                    )
+                )
 
     def _apply(self, report: _RankReport) -> list[Request]:
         """Append a rank's new tokens to the caller's requests; those that
