@@ -117,7 +117,6 @@ def _layout_worker(rank: int, world_size: int, port: int) -> dict:
         recv = torch.empty(sum(r + 1 for r in range(4)), 2)
         ep.all_to_all_single(recv, send, [r + 1 for r in range(4)], [rank + 1] * 4)
         out["all_to_all"] = recv[:, 0]
-        out["host"] = [g.all_gather_host([rank, 10 * rank]) for g in (tp, ep)]
         with pytest.raises(ValueError, match="input_split_sizes: expected 4 sizes"):
             ep.all_to_all_single(recv, send, [r + 1 for r in range(4)], [1, 1])
         # Teardown, then a new layout in the same world.
@@ -149,8 +148,6 @@ def test_four_rank_layout_and_collectives():
         assert r["all_to_all"].tolist() == [
             float(src) for src in range(4) for _ in range(src + 1)
         ]
-        groups = (r["tp"], r["ep"])
-        assert r["host"] == [[[q, 10 * q] for q in group] for group in groups]
         assert r["dp_after_reinit"] == [0, 1, 2, 3]
         assert r["sum_after_reinit"] == 4.0
 

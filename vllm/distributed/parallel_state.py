@@ -84,10 +84,7 @@ class GroupCoordinator:
     """One process group as this process sees it.
 
     ``ranks`` are global ranks in group order; ``device_group`` is None for a
-    single-rank group (its collectives are identities). ``cpu_group`` (gloo)
-    carries the host values the ranks agree on before a step
-    (:meth:`all_gather_host`), off the device communicator that a CUDA
-    graph may hold.
+    single-rank group (its collectives are identities).
     """
 
     name: str
@@ -99,7 +96,6 @@ class GroupCoordinator:
     timeout: timedelta
     # The communicators of ubatches 1, 2, ... (ubatch 0 has device_group).
     ubatch_groups: tuple[ProcessGroup, ...] = ()
-    cpu_group: ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
@@ -222,26 +218,6 @@ class GroupCoordinator:
             ),
         )
 
-    def all_gather_host(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (the same length on all ranks), in group
-        order, over the host group: no device work, no device sync."""
-        if self.world_size == 1:
-            return [list(values)]
-        assert self.cpu_group is not None  # every multi-rank group has one
-        send = torch.tensor(values, dtype=torch.int64)
-        recv = [torch.empty_like(send) for _ in range(self.world_size)]
-        group = self.cpu_group
-        try:
-            dist.all_gather(recv, send, group=group)
-        except RuntimeError as e:
-            raise CollectiveError(
-                f"all_gather_host in the {self.name} group (ranks {self.ranks}) "
-                f"failed on rank {self.rank} (gloo, timeout "
-                f"{self.timeout.total_seconds():g}s): a peer died or stopped "
-                f"answering: {e}"
-            ) from e
-        return [t.tolist() for t in recv]
-
     def barrier(self) -> None:
         if self.world_size > 1:
             self._run("barrier", lambda g: dist.barrier(group=g))
@@ -253,11 +229,9 @@ class GroupCoordinator:
             dist.group.WORLD
         ):
             dist.destroy_process_group(self.device_group)
-        world = _WORLD.cpu_group if _WORLD is not None else None
-        for group in (*self.ubatch_groups, self.cpu_group):
-            if group is not None and group is not world:
-                dist.destroy_process_group(group)
-        self.device_group, self.ubatch_groups, self.cpu_group = None, (), None
+        for group in self.ubatch_groups:
+            dist.destroy_process_group(group)
+        self.device_group, self.ubatch_groups = None, ()
 
 
 @dataclass
@@ -342,9 +316,6 @@ def init_distributed_environment(
         backend=backend,
         device=device,
         timeout=timeout,
-        cpu_group=(
-            dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
-        ),
     )
     logger.debug("rank %d of %d joined (%s)", rank, world_size, backend)
     return _WORLD
@@ -369,18 +340,17 @@ def _make_groups(
     requires."""
     mine: GroupCoordinator | None = None
 
-    def new_group(ranks: list[int], backend: str = world.backend) -> ProcessGroup:
-        return dist.new_group(ranks, timeout=world.timeout, backend=backend)
+    def new_group(ranks: list[int]) -> ProcessGroup:
+        return dist.new_group(ranks, timeout=world.timeout, backend=world.backend)
 
     for ranks in rank_lists:
         extra: tuple[ProcessGroup, ...] = ()
-        pg = cpu = None  # no peers: collectives are identities
-        if len(ranks) > 1:
+        if len(ranks) == 1:
+            pg = None  # no peers: collectives are identities
+        else:
             # the world's ranks: its communicator, not a second one
-            whole = ranks == world.ranks
-            pg = world.device_group if whole else new_group(ranks)
+            pg = world.device_group if ranks == world.ranks else new_group(ranks)
             extra = tuple(new_group(ranks) for _ in range(num_ubatches - 1))
-            cpu = world.cpu_group if whole else new_group(ranks, "gloo")
         if world.rank in ranks:
             mine = GroupCoordinator(
                 name=name,
@@ -391,7 +361,6 @@ def _make_groups(
                 device=world.device,
                 timeout=world.timeout,
                 ubatch_groups=extra,
-                cpu_group=cpu,
             )
     assert mine is not None
     return mine

@@ -322,7 +322,8 @@ class EngineCore:
             config.gpu_memory_utilization
         )
         if self.tp_group is not None:  # one batch on every rank: one cache size
-            num_blocks = min(n for (n,) in self.tp_group.all_gather_host([num_blocks]))
+            mine = torch.tensor([num_blocks], device=self.device)
+            num_blocks = int(self.tp_group.all_gather(mine).min())
         if num_blocks * BLOCK_SIZE < self.max_model_len:
             raise ValueError(
                 f"gpu_memory_utilization/max_model_len: the KV cache holds "

@@ -31,14 +31,15 @@ An eager step there takes tens of milliseconds of host time for its
 launches alone (48 layers), several times the GPU's share of a mixed step.
 
 Expert parallelism (``dp_group``: the ranks step in lockstep): before each
-step the ranks agree on its shape (one host all-gather of token counts and
-whether the step decodes): all replay graphs of one size, the smallest that
-holds every rank's step (a decode graph only if every rank decodes), ranks
-without requests replaying padding; where none holds it, all run eagerly,
-each knowing the others' counts. Either way the MoE layers' token exchange
-reads its counts from the host (``DPMetadata``): no device sync, so the
-graphs hold it. The ``all2all`` backend's split sizes depend on the routing
-and are read on the host: its engine runs eagerly.
+step the ranks agree on its shape (one all-gather of token counts and
+whether the step decodes, read on the host): all replay graphs of one
+size, the smallest that holds every rank's step (a decode graph only if
+every rank decodes), ranks without requests replaying padding; where none
+holds it, all run eagerly, each knowing the others' counts. Either way the
+MoE layers' token exchange reads its counts from the host
+(``DPMetadata``): no device sync, so the graphs hold it. The ``all2all``
+backend's split sizes depend on the routing and are read on the host: its
+engine runs eagerly.
 
 Dual-batch overlap (``dbo``, expert parallelism: eager steps): a step's
 requests split into two micro-batches of about equal tokens, each run on its
@@ -339,13 +340,16 @@ class GPUModelRunner:
 
     def _plan(self, num_tokens: int, decode: bool) -> StepPlan:
         """How this step runs. Under expert parallelism the ranks agree
-        first (one host all-gather of their shapes): all replay graphs of
-        one size (their token exchanges match), or all run eagerly, each
-        knowing the others' token counts."""
+        first (one all-gather of their shapes, read on the host): all replay
+        graphs of one size (their token exchanges match), or all run
+        eagerly, each knowing the others' token counts."""
         group = self.dp_group
         if group is None:
             return plan_step(num_tokens, decode, self.graphs, self.mixed_graphs)
-        shapes = group.all_gather_host([num_tokens, decode])
+        # On the device group: under lockstep scheduling the GPU is idle
+        # here, and NCCL answers faster than a host round trip over TCP.
+        shape = torch.tensor([num_tokens, decode], device=self.device)
+        shapes = group.all_gather(shape).view(-1, 2).tolist()
         counts = [n for n, _ in shapes]
         all_decode = all(d for _, d in shapes)
         plan = plan_step(max(counts), all_decode, self.graphs, self.mixed_graphs)
