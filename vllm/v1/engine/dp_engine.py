@@ -59,16 +59,14 @@ import signal
 import time
 import traceback
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed import ProcessGroup
 
 from vllm.distributed import (
     CollectiveError,
@@ -79,9 +77,15 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.logger import init_logger
-from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats, StepShape
 from vllm.v1.engine.core_client import limit_cpu_threads
+from vllm.v1.engine.dp_lockstep import (
+    ControlGroups,
+    NewRequest,
+    RankReport,
+    StepCommand,
+    TokenDelta,
+)
 from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -89,9 +93,6 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 
 _HOST = "127.0.0.1"  # one node
-_IDLE_TIMEOUT = timedelta(days=365)
-"""Workers wait this long for rank 0's next step: a server may idle for
-hours between requests; a dead rank 0 still ends the wait at once."""
 _JOIN_TIMEOUT_S = 30.0  # for workers told to stop
 _EXIT_GRACE_S = 1.0  # see _Workers.reap
 
@@ -100,124 +101,15 @@ class DPEngineDeadError(RuntimeError):
     """A rank died or a lockstep step failed: the engine is stopped."""
 
 
-@dataclass(frozen=True)
-class _NewRequest:
-    """What a rank needs to rebuild a request (no generator: the owning
-    rank seeds its own)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-
-    def to_request(self) -> Request:
-        return Request(
-            self.request_id,
-            self.prompt_token_ids,
-            self.sampling_params,
-            self.eos_token_id,
-        )
-
-
-@dataclass(frozen=True)
-class _StepCommand:
-    """Rank 0's orders for one step, per rank; ``stop`` ends the workers."""
-
-    adds: list[list[_NewRequest]]
-    aborts: list[list[tuple[str, str]]]  # (request_id, reason)
-    stop: bool = False
-
-
-@dataclass(frozen=True)
-class _TokenDelta:
-    """A request's tokens produced in a step (and its finish reason)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class _RankReport:
-    deltas: list[_TokenDelta]
-    num_running: int
-    num_waiting: int
-    num_used_blocks: int
-    num_blocks: int
-
-
-def _report(engine: EngineCore, deltas: list[_TokenDelta]) -> _RankReport:
+def _report(engine: EngineCore, deltas: list[TokenDelta]) -> RankReport:
     pool = engine.pool
-    return _RankReport(
+    return RankReport(
         deltas,
         len(engine.scheduler.running),
         len(engine.scheduler.waiting),
         pool.num_blocks - pool.num_free_blocks,
         pool.num_blocks,
     )
-
-
-@dataclass
-class _ControlGroups:
-    """gloo groups of all ranks for the step protocol's Python objects:
-    ``commands`` waits without a bound (see ``_IDLE_TIMEOUT``), ``reports``
-    under the engine's collective timeout."""
-
-    commands: ProcessGroup
-    reports: ProcessGroup
-
-    @classmethod
-    def create(cls, timeout: timedelta) -> _ControlGroups:
-        # Every rank calls new_group in the same order.
-        commands = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        reports = dist.new_group(backend="gloo", timeout=timeout)
-        return cls(commands, reports)
-
-    def broadcast_command(self, command: _StepCommand | None) -> _StepCommand:
-        """Rank 0 sends ``command``; the others pass None and receive it. A
-        command without orders (a steady decode step's) is one broadcast of
-        one number; others follow it pickled (a loopback collective costs
-        0.3-0.8 ms on the development machine)."""
-        orders = command is not None and (
-            command.stop or any(command.adds) or any(command.aborts)
-        )
-        flag = torch.tensor([int(orders)])
-        _collective(
-            "broadcast of the step's commands",
-            lambda: dist.broadcast(flag, src=0, group=self.commands),
-        )
-        if not flag.item():
-            size = dist.get_world_size(self.commands)
-            return _StepCommand([[] for _ in range(size)], [[] for _ in range(size)])
-        box: list[Any] = [command]
-        _collective(
-            "broadcast of the step's commands",
-            lambda: dist.broadcast_object_list(box, src=0, group=self.commands),
-        )
-        result = box[0]
-        assert isinstance(result, _StepCommand)
-        return result
-
-    def gather(self, what: str, obj: T, rank: int) -> list[T]:
-        """Every rank's ``obj`` on rank 0 (in rank order); [] elsewhere."""
-        size = dist.get_world_size(self.reports)
-        out: list[Any] | None = [None] * size if rank == 0 else None
-        _collective(
-            f"gather of the ranks' {what}",
-            lambda: dist.gather_object(obj, out, dst=0, group=self.reports),
-        )
-        return list(out or [])
-
-
-def _collective(op: str, call: Callable[[], T]) -> T:
-    try:
-        return call()
-    except RuntimeError as e:
-        raise CollectiveError(
-            f"{op} failed: a data-parallel rank died or stopped answering: {e}"
-        ) from e
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -227,7 +119,7 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return config
 
 
-def _join_world(config: EngineConfig, rank: int, port: int) -> _ControlGroups:
+def _join_world(config: EngineConfig, rank: int, port: int) -> ControlGroups:
     timeout = timedelta(seconds=config.distributed_timeout_s)
     cuda = torch.device(config.device).type == "cuda"
     init_distributed_environment(
@@ -241,7 +133,7 @@ def _join_world(config: EngineConfig, rank: int, port: int) -> _ControlGroups:
     initialize_model_parallel(
         config.tensor_parallel_size, config.data_parallel_size, num_ubatches
     )
-    return _ControlGroups.create(timeout)
+    return ControlGroups.create(timeout)
 
 
 # -- ranks 1..N-1 ------------------------------------------------------------
@@ -254,7 +146,7 @@ class _WorkerState:
     requests: dict[str, Request] = field(default_factory=dict)
     num_sent: dict[str, int] = field(default_factory=dict)
 
-    def apply(self, engine: EngineCore, command: _StepCommand, rank: int) -> None:
+    def apply(self, engine: EngineCore, command: StepCommand, rank: int) -> None:
         # Adds first: an abort in the same command may name a new request.
         for new in command.adds[rank]:
             request = new.to_request()
@@ -266,7 +158,7 @@ class _WorkerState:
             self.requests.pop(request_id, None)
             self.num_sent.pop(request_id, None)
 
-    def deltas(self) -> list[_TokenDelta]:
+    def deltas(self) -> list[TokenDelta]:
         """New tokens and finishes since the last call; forgets finished
         requests."""
         out = []
@@ -275,7 +167,7 @@ class _WorkerState:
             if len(request.output_token_ids) == start and not request.finish_reason:
                 continue
             out.append(
-                _TokenDelta(
+                TokenDelta(
                     request_id,
                     request.output_token_ids[start:],
                     request.output_logprobs[start:],
@@ -329,7 +221,7 @@ class _Workers:
     not reference the engine)."""
 
     processes: list[BaseProcess]
-    control: _ControlGroups | None = None
+    control: ControlGroups | None = None
     stopped: bool = False
 
     def dead(self) -> list[str]:
@@ -359,7 +251,7 @@ class _Workers:
             size = len(self.processes) + 1
             try:
                 self.control.broadcast_command(
-                    _StepCommand([[]] * size, [[]] * size, stop=True)
+                    StepCommand([[]] * size, [[]] * size, stop=True)
                 )
             except CollectiveError:
                 logger.warning("a data-parallel worker missed the stop command")
@@ -433,7 +325,7 @@ class DPEngineCore(EngineCore):
         self._tp = config.tensor_parallel_size
         # id -> (data-parallel rank, request), for ranks other than this one's
         self._remote: dict[str, tuple[int, Request]] = {}
-        self._adds: list[list[_NewRequest]] = [[] for _ in range(size)]
+        self._adds: list[list[NewRequest]] = [[] for _ in range(size)]
         self._aborts: list[list[tuple[str, str]]] = [[] for _ in range(size)]
         self._reports = [_report(self, [])] * size  # before the first step
         self._dead: BaseException | None = None
@@ -474,7 +366,7 @@ class DPEngineCore(EngineCore):
                 f"request_id: {request_id!r} is being aborted until the next step"
             )
         dp_rank = min(range(self.config.data_parallel_size), key=self._load)
-        new = _NewRequest(
+        new = NewRequest(
             request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -538,7 +430,7 @@ class DPEngineCore(EngineCore):
         control = self._workers.control
         assert control is not None
         size = self.config.world_size
-        command = _StepCommand(self._adds, self._aborts)
+        command = StepCommand(self._adds, self._aborts)
         self._adds = [[] for _ in range(size)]
         self._aborts = [[] for _ in range(size)]
         self.last_tokens = {}
@@ -561,7 +453,7 @@ class DPEngineCore(EngineCore):
             finished += self._apply(report)
         return finished
 
-    def _check_in_step(self, rank: int, report: _RankReport) -> None:
+    def _check_in_step(self, rank: int, report: RankReport) -> None:
         """Fail (rather than mix two sequences' activations, or hang at the
         next collective) when a rank of this process's tensor-parallel group
         sampled other tokens than this one."""
@@ -576,7 +468,7 @@ class DPEngineCore(EngineCore):
                     )
                 )
 
-    def _apply(self, report: _RankReport) -> list[Request]:
+    def _apply(self, report: RankReport) -> list[Request]:
         """Append a rank's new tokens to the caller's requests; those that
         finished."""
         finished = []
