@@ -1,6 +1,7 @@
 """The lockstep protocol on 2 real gloo ranks: a command without orders
 (one broadcast of a number) and one with orders arrive whole, in order, and
-every rank's report reaches rank 0."""
+every rank's report reaches rank 0, in one block each or, past a block's
+size, whole in a second round."""
 
 from datetime import timedelta
 
@@ -22,9 +23,11 @@ def _worker(rank: int, world_size: int, port: int) -> dict:
             control.broadcast_command(command if rank == 0 else None)
             for command in (empty, orders, empty)
         ]
+        big = "x" * 100_000 if rank == 1 else "small"  # past one block
         return {
             "received": received,
             "gathered": control.gather("reports", f"rank {rank}", rank),
+            "gathered_big": control.gather("reports", big, rank),
         }
     finally:
         destroy_distributed_environment()
@@ -37,4 +40,5 @@ def test_commands_and_reports_travel_whole():
         assert empty == again == StepCommand([[], []], [[], []])
         assert orders.adds == [[], [NEW]] and orders.aborts == [[("old", "abort")], []]
     assert ranks[0]["gathered"] == ["rank 0", "rank 1"]
-    assert ranks[1]["gathered"] == []
+    assert ranks[0]["gathered_big"] == ["small", "x" * 100_000]
+    assert ranks[1]["gathered"] == ranks[1]["gathered_big"] == []

@@ -7,6 +7,7 @@ collectives surface as :class:`~vllm.distributed.CollectiveError`.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +23,7 @@ from vllm.v1.request import Request
 
 T = TypeVar("T")
 
+_GATHER_BYTES = 64 * 1024
 _IDLE_TIMEOUT = timedelta(days=365)
 """Workers wait this long for rank 0's next step: a server may idle for
 hours between requests; a dead rank 0 still ends the wait at once."""
@@ -117,14 +119,41 @@ class ControlGroups:
         return result
 
     def gather(self, what: str, obj: T, rank: int) -> list[T]:
-        """Every rank's ``obj`` on rank 0 (in rank order); [] elsewhere."""
+        """Every rank's ``obj`` on rank 0 (in rank order); [] elsewhere.
+
+        One all-gather of fixed-size byte blocks (a length, then the
+        pickle) where every rank's object fits :data:`_GATHER_BYTES` (a
+        step's report does, but for hundreds of requests with top
+        log-probabilities); else a second round gathers the objects
+        whole."""
+        payload = pickle.dumps(obj)
+        block = torch.zeros(8 + _GATHER_BYTES, dtype=torch.uint8)
+        fits = len(payload) <= _GATHER_BYTES
+        block[:8] = torch.tensor([len(payload) if fits else -1]).view(torch.uint8)
+        if fits:
+            block[8 : 8 + len(payload)] = torch.frombuffer(
+                bytearray(payload), dtype=torch.uint8
+            )
         size = dist.get_world_size(self.reports)
-        out: list[Any] | None = [None] * size if rank == 0 else None
+        blocks = [torch.empty_like(block) for _ in range(size)]
         _collective(
             f"gather of the ranks' {what}",
-            lambda: dist.gather_object(obj, out, dst=0, group=self.reports),
+            lambda: dist.all_gather(blocks, block, group=self.reports),
         )
-        return list(out or [])
+        lengths = [int(b[:8].view(torch.int64)) for b in blocks]
+        if min(lengths) < 0:
+            out: list[Any] | None = [None] * size if rank == 0 else None
+            _collective(
+                f"gather of the ranks' {what}",
+                lambda: dist.gather_object(obj, out, dst=0, group=self.reports),
+            )
+            return list(out or [])
+        if rank != 0:
+            return []
+        return [
+            pickle.loads(b[8 : 8 + n].numpy().tobytes())
+            for b, n in zip(blocks, lengths, strict=True)
+        ]
 
 
 def _collective(op: str, call: Callable[[], T]) -> T:
