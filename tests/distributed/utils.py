@@ -123,3 +123,17 @@ def init_gloo_world(
         backend="gloo",
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def layout_group(name: str, ranks: list[int], rank: int) -> GroupCoordinator:
+    """A group of ``ranks`` as ``rank`` sees it, with no communicator: for
+    checks that read the layout only (nothing is exchanged)."""
+    return GroupCoordinator(
+        name=name,
+        ranks=ranks,
+        rank=rank,
+        device_group=None,
+        backend="gloo",
+        device=torch.device("cpu"),
+        timeout=timedelta(seconds=1),
+    )

@@ -3,13 +3,17 @@
 
 import itertools
 import json
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.utils import init_gloo_world, run_workers, values
+from tests.distributed.utils import (
+    init_gloo_world,
+    layout_group,
+    run_workers,
+    values,
+)
 from vllm.distributed import (
     GroupCoordinator,
     destroy_distributed_environment,
@@ -191,15 +195,7 @@ def test_an_expert_parallel_rank_holds_and_loads_only_its_experts(
     loading) holds experts 8..15 of 16, equal to those of the whole model:
     the checkpoint's and the dummy ones alike (drawn per tensor)."""
     path, _ = checkpoint
-    group = GroupCoordinator(
-        name="ep",
-        ranks=[0, 1],
-        rank=1,
-        device_group=None,
-        backend="gloo",
-        device=torch.device("cpu"),
-        timeout=timedelta(seconds=1),
-    )
+    group = layout_group("ep", [0, 1], 1)
     whole = load(path, load_format)
     shard = load(path, load_format, ep_group=group)
     names = [n for n, _, _ in shard.checkpoint_shapes()]
@@ -386,15 +382,7 @@ def test_tensor_parallel_ranks_give_the_whole_models_logits(checkpoint):
 
 def test_tensor_parallelism_needs_even_splits_and_the_experts_group(checkpoint):
     path, _ = checkpoint
-    group = GroupCoordinator(
-        name="tp",
-        ranks=[0, 1, 2],
-        rank=1,
-        device_group=None,  # the checks read the layout only
-        backend="gloo",
-        device=torch.device("cpu"),
-        timeout=timedelta(seconds=1),
-    )
+    group = layout_group("tp", [0, 1, 2], 1)
     with pytest.raises(ValueError, match=r"^tp_group: tensor parallelism shards"):
         load(path, tp_group=group)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: 3 ranks must split"):

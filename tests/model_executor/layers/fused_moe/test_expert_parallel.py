@@ -12,12 +12,16 @@ error within the timeout.
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.distributed.utils import init_gloo_world, run_workers, values
+from tests.distributed.utils import (
+    init_gloo_world,
+    layout_group,
+    run_workers,
+    values,
+)
 from vllm.distributed import (
     CollectiveError,
     GroupCoordinator,
@@ -158,15 +162,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"all2all_backend: expected one of") as info:
         FusedMoE(moe_config(case), prefix="ep_test.bad", all2all_backend="naive")
     assert all(name in str(info.value) for name in ALL2ALL_BACKENDS)
-    group = GroupCoordinator(
-        name="ep",
-        ranks=[0, 1],
-        rank=1,
-        device_group=None,  # the check reads the layout only
-        backend="gloo",
-        device=torch.device("cpu"),
-        timeout=timedelta(seconds=1),
-    )
+    group = layout_group("ep", [0, 1], 1)
     with pytest.raises(ValueError, match=r"ep_group: expected 4 ranks"):
         FusedMoE(moe_config(case, 4, 1), prefix="ep_test.bad", ep_group=group)
     with pytest.raises(ValueError, match=r"moe.ep_rank=0"):
