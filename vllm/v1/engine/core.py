@@ -459,7 +459,7 @@ class EngineCore:
                     f"distributed_timeout_s={self.config.distributed_timeout_s}s: "
                     f"a peer died or stopped answering"
                 )
-            time.sleep(20e-6)
+            time.sleep(0)  # yield, no timer: a sleep costs ~60 us, 2% of a step
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
