@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer
+from tests.entrypoints.openai.utils import (
+    API_KEY,
+    SERVER_DTYPE,
+    RemoteOpenAIServer,
+    needs_two_ranks,
+)
 from vllm.entrypoints.cli import serve
 from vllm.entrypoints.cli.main import main
 from vllm.model_executor.layers.fused_moe import prepare_finalize
@@ -109,9 +114,10 @@ def running(pid: int) -> bool:
     return status.exists() and "\nState:\tZ" not in status.read_text()
 
 
+@needs_two_ranks
 def test_a_data_and_expert_parallel_server_serves_and_stops(tmp_path):
     build_tiny_checkpoint(tmp_path, with_tokenizer=False)
-    args = ["--dtype", "float32", "--max-model-len", "64", "--api-key", API_KEY]
+    args = ["--dtype", SERVER_DTYPE, "--max-model-len", "64", "--api-key", API_KEY]
     args += ["--data-parallel-size", "2", "--enable-expert-parallel"]
     with RemoteOpenAIServer(tmp_path, args, tmp_path / "server.log") as server:
         completion = server.client().completions.create(

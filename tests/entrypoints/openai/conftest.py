@@ -7,13 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer
+from tests.entrypoints.openai.utils import (
+    API_KEY,
+    SERVER_DTYPE,
+    RemoteOpenAIServer,
+)
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
 SERVER_ARGS = [
-    "--dtype", "float32",
+    "--dtype", SERVER_DTYPE,
     "--max-model-len", str(MAX_MODEL_LEN),
     "--max-num-batched-tokens", "512",
     "--served-model-name", MODEL, "tiny-alias",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL, SERVER_ARGS
-from tests.entrypoints.openai.utils import RemoteOpenAIServer
+from tests.entrypoints.openai.utils import RemoteOpenAIServer, needs_two_ranks
 
 PARALLEL = {
     "dp2": ["--data-parallel-size", "2", "--enable-expert-parallel"],
@@ -48,6 +48,7 @@ def _greedy(server: RemoteOpenAIServer, stream: bool) -> list[str]:
     return texts
 
 
+@needs_two_ranks
 def test_two_ranks_complete_as_one(parallel_server, server):
     expected = _greedy(server, stream=False)
     assert _greedy(parallel_server, stream=False) == expected

@@ -12,10 +12,21 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
+import torch
 
 from vllm.entrypoints.serve_process import ServeProcess
 
 API_KEY = "test-key"
+# fp32 on the CPU (exact greedy comparisons); no experts backend runs fp32 on
+# CUDA, so a GPU machine serves the tiny model in bf16
+SERVER_DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
+# A server of two ranks runs gloo on the CPU and needs one GPU per rank on
+# a GPU machine
+needs_two_ranks = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="two ranks need two GPUs",
+)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -37,6 +48,10 @@ class RemoteOpenAIServer(ServeProcess):
         self, model: Path, args: list[str], log: Path, startup_s: float = 120.0
     ) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        # On a GPU every pytest-xdist worker starts its servers on the one
+        # device: at the default 0.9 the first one's KV cache takes it all
+        # (the CPU ignores the flag).
+        args = ["--gpu-memory-utilization", "0.04", *args]
         super().__init__(model, args, log, env, startup_s)
 
     def client(self) -> openai.OpenAI:
