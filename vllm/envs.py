@@ -25,3 +25,9 @@ def master_addr() -> str | None:
 def master_port() -> str | None:
     """MASTER_PORT: the rendezvous port of ``env://`` process-group setup."""
     return os.environ.get("MASTER_PORT") or None
+
+
+def disable_pdl() -> bool:
+    """VLLM_DISABLE_PDL=1 launches the decode kernels without programmatic
+    dependent launch (for A/B timing and debugging)."""
+    return _flag("VLLM_DISABLE_PDL")

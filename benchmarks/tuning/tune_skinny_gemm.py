@@ -37,7 +37,7 @@ def launch(x, w, out, block_n: int, block_k: int, warps: int) -> torch.Tensor:
     sg._skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        PDL=False, num_warps=warps,
     )  # fmt: skip
     return out
 

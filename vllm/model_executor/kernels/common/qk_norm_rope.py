@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import check_contiguous
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 
 @triton.jit
@@ -76,9 +77,11 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WITH_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, 0) takes token t's queries, (t, 1) its keys, (t, 2) its
     values (a copy into the cache: that role exists WITH_CACHE only)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     role = tl.program_id(1)
     h = tl.arange(0, BLOCK_H)
@@ -192,6 +195,7 @@ def qk_norm_rope_(
     if not tokens:
         return
     with_cache = kv_cache is not None
+    launch_pdl = pdl(q.device)
     _qk_norm_rope_kernel[(tokens, 3 if with_cache else 2)](
         q,
         k,
@@ -216,4 +220,6 @@ def qk_norm_rope_(
         HEAD_DIM=head_size,
         BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
         WITH_CACHE=with_cache,
+        PDL=launch_pdl,
+        launch_pdl=launch_pdl,
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,10 +30,13 @@ def _rms_norm_kernel(
     stride_x,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -41,7 +46,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / cols + eps)
     normed = (x32 * rstd).to(dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (normed * weight).to(dtype), mask=mask)
 
 
@@ -70,6 +74,7 @@ def rms_norm(
         )
     out = torch.empty_like(x)
     if x.shape[0]:
+        launch_pdl = pdl(x.device)
         _rms_norm_kernel[(x.shape[0],)](
             out,
             x if residual is None else residual,
@@ -82,6 +87,8 @@ def rms_norm(
             x.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(x.shape[1]),
+            PDL=launch_pdl,
+            launch_pdl=launch_pdl,
         )
     return out, residual
 

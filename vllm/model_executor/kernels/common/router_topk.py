@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import arg_error
+from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.skinny_gemm import (
     SKINNY_MAX_ROWS,
     check_skinny_operands,
@@ -69,12 +70,13 @@ def _router_topk_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     logits = skinny_tile(
         x_ptr, w_ptr, M, num_experts, K, stride_xm, stride_wn, cols,
-        BLOCK_M, BLOCK_N, BLOCK_K,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL,
     )  # fmt: skip
     tl.store(
         logits_ptr + rows[:, None] * num_experts + cols[None, :],
@@ -128,12 +130,14 @@ def router_topk(
     if m:
         logits = torch.empty(m, num_experts, dtype=torch.float32, device=x.device)
         block_e, chunk = route_block_sizes(num_experts)
+        launch_pdl = pdl(x.device)
         _router_topk_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
             x, gate_weight, logits, counter, weights, ids,
             m, num_experts, k, x.stride(0), gate_weight.stride(0),
             TOPK=topk, RENORMALIZE=renormalize,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-            BLOCK_E=block_e, CHUNK=chunk, num_warps=4,
+            BLOCK_E=block_e, CHUNK=chunk, PDL=launch_pdl, num_warps=4,
+            launch_pdl=launch_pdl,
         )  # fmt: skip
     return weights, ids
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import arg_error
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 4 x 1024 fp32
 SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
@@ -53,20 +54,29 @@ def skinny_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` times weight rows ``cols``."""
+    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` times weight rows ``cols``.
+    Waits for the previous kernel (:func:`~.pdl.pdl_wait`) after loading
+    the first weight tile, before it reads ``x``."""
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    col_ok = (cols < N)[:, None]
+    # Each step loads the next step's weights (masked off past K): the
+    # first tile streams while the previous kernel finishes
+    w = tl.load(w_ptrs, mask=col_ok & (offs_k < K)[None, :], other=0.0)
+    pdl_wait(PDL)
     # Products accumulate per K lane, reduced once at the end (a reduction
     # per step would shuffle between threads after every load)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         in_k = (offs_k + k < K)[None, :]
         x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & in_k, other=0.0)
-        w = tl.load(w_ptrs + k, mask=(cols < N)[:, None] & in_k, other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        next_k = (offs_k + k + BLOCK_K < K)[None, :]
+        w = tl.load(w_ptrs + k + BLOCK_K, mask=col_ok & next_k, other=0.0)
     return tl.sum(acc, 2)
 
 
@@ -83,12 +93,14 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = skinny_tile(
-        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, BLOCK_M, BLOCK_N, BLOCK_K
-    )
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols,
+        BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+    )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * N + cols[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -137,6 +149,7 @@ def skinny_gemm(
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
+        launch_pdl = pdl(x.device)
         _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
             x,
             weight,
@@ -149,7 +162,9 @@ def skinny_gemm(
             BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=_BLOCK_N,
             BLOCK_K=block_k,
+            PDL=launch_pdl,
             num_warps=4,
+            launch_pdl=launch_pdl,
         )
     return out
 

@@ -23,6 +23,8 @@ no activation quantization pass). A route whose expert id is outside
 [0, E) or, under ``expert_map``, not local, adds nothing (its ``act`` row
 is not written); a token without local routes gets zeros. The grids depend
 only on the token count: the launches can be captured in a CUDA graph.
+Both launch with programmatic dependent launch (:mod:`~.common.pdl`):
+GEMM2's first weight tiles stream while GEMM1 finishes.
 
 :func:`moe_decode_reference` is the plain-PyTorch oracle.
 """
@@ -50,6 +52,7 @@ from vllm.model_executor.kernels.common.checks import (
     check_rows,
 )
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
@@ -142,7 +145,9 @@ def _decode_gated_kernel(
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # the routing is the previous kernel's
     route = tl.program_id(0)
     token = route // topk
     # The route's local expert; num_local for an invalid or remote one.
@@ -207,6 +212,7 @@ def _decode_down_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # All of the token's routes at once: each K step loads BLOCK_R weight
     # tiles together (one round trip, not one per route).
@@ -228,6 +234,7 @@ def _decode_down_kernel(
     tile_ok = valid[:, None, None] & row_ok[None, :, None]
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     if W4:
+        pdl_wait(PDL)  # act is the previous kernel's
         groups = inter // GROUP
         half = tl.arange(0, BLOCK_K // 2)
         g = tl.arange(0, BLOCK_K // GROUP)
@@ -255,21 +262,29 @@ def _decode_down_kernel(
             )
             acc += tl.sum(per_group * scale, axis=2)
     else:
+        # Each step loads the next step's weights (masked off past inter):
+        # the first tile streams while GEMM1 finishes
         w_rows = w_ptr + w_row[:, :, None] * inter
+        cols = tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_rows + cols[None, None, :],
+            mask=tile_ok & (cols < inter)[None, None, :],
+            other=0.0,
+        )
+        pdl_wait(PDL)  # act is the previous kernel's
         for k in range(0, inter, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
-            col_ok = cols < inter
             a = tl.load(
                 act_ptr + routes[:, None] * stride_act + cols[None, :],
-                mask=valid[:, None] & col_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_rows + cols[None, None, :],
-                mask=tile_ok & col_ok[None, None, :],
+                mask=valid[:, None] & (cols < inter)[None, :],
                 other=0.0,
             )
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+            w = tl.load(
+                w_rows + BLOCK_K + cols[None, None, :],
+                mask=tile_ok & (cols + BLOCK_K < inter)[None, None, :],
+                other=0.0,
+            )
     if HAS_SCALE and not W4:
         scale_ptrs = (
             w_scale_ptr
@@ -406,6 +421,7 @@ def moe_decode(
     if tokens == 0:
         return out
     map_arg = expert_map if expert_map is not None else topk_ids
+    launch_pdl = pdl(x.device)
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
@@ -414,7 +430,7 @@ def moe_decode(
         HAS_SCALE=w13_scale is not None, W4=w4, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
-        num_warps=config.num_warps,
+        PDL=launch_pdl, num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, topk_ids, map_arg, topk_weights, w2,
@@ -424,7 +440,8 @@ def moe_decode(
         out.stride(0), HAS_MAP=expert_map is not None,
         HAS_SCALE=w2_scale is not None, W4=w4, BLOCK_R=triton.next_power_of_2(topk),
         BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, num_warps=config.num_warps,
+        BLOCK_K=config.down_block_k, PDL=launch_pdl,
+        num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.device_info import num_sms
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 _MAX_SPLITS = 32
 _KV_TILE = 64  # tokens per KV tile (several cache blocks)
@@ -80,6 +81,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (as the oracle), not tf32
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,6 +102,7 @@ def _paged_attention_kernel(
     q_pos = context + token
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
+    pdl_wait(PDL)  # the queries and the step's keys are the previous kernel's
     q = tl.load(
         q_ptr
         + (q_start + token)[:, None] * stride_qt
@@ -172,7 +175,9 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = (t * num_heads + h) * NUM_SPLITS
@@ -281,6 +286,7 @@ def triton_paged_attention(
     grid = (tokens // block_q + num_seqs, kv_heads, splits)
     d_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(block_q * group))
+    launch_pdl = pdl(q.device)
     _paged_attention_kernel[grid](
         partial,
         lse,
@@ -309,6 +315,8 @@ def triton_paged_attention(
         BLOCK_N=_KV_TILE,
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=launch_pdl,
+        launch_pdl=launch_pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](
@@ -321,5 +329,7 @@ def triton_paged_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=splits,
+            PDL=launch_pdl,
+            launch_pdl=launch_pdl,
         )
     return out.view(tokens, heads * head_dim)
