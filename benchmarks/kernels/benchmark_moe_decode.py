@@ -1,14 +1,14 @@
 """The MoE layer at decode sizes against the bytes it must read.
 
 For bf16 (``triton``), fp8 (``triton_fp8``) and uint4 (``triton_w4a8``)
-experts at each token count:
-the layer as the model calls it (the router's GEMM and routing, fused at 1
-and 2 tokens, then the modular kernel), timed under CUDA-graph replay, once
-on the decode kernels (route by route,
-:mod:`~vllm.model_executor.kernels.grouped_gemm.decode`) and once on the
-sorted path; the bound (the router's and the distinct routed experts'
-weights read once at the copy bandwidth measured in the same run), each
-time's ratio to it, and the kernel launches per call (profiled). With
+experts at each token count: the layer as the model calls it (the router's
+GEMM and routing, fused at 1 and 2 tokens, then the modular kernel), timed
+under CUDA-graph replay on the decode kernels (route by route,
+:mod:`~vllm.model_executor.kernels.grouped_gemm.decode`), on the same
+launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), and
+on the sorted path; the bound (the router's and the distinct routed
+experts' weights read once at the copy bandwidth measured in the same run),
+the ratios to it, and the kernel launches per call (profiled). With
 ``--sweep`` it also times the decode kernels alone over a grid of tiles and
 prints the fastest per token count up to 8.
 
@@ -18,8 +18,10 @@ prints the fastest per token count up to 8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,7 @@ class Row:
     distinct_experts: float  # mean over the routings
     bound_us: float
     decode_us: float
+    decode_no_pdl_us: float
     sorted_us: float
     decode_launches: int
     sorted_launches: int
@@ -74,6 +77,21 @@ class Row:
     @property
     def sorted_ratio(self) -> float:
         return self.sorted_us / self.bound_us
+
+
+@contextlib.contextmanager
+def pdl_disabled(disabled: bool) -> Iterator[None]:
+    """``VLLM_DISABLE_PDL=1`` while inside, when ``disabled``."""
+    before = os.environ.get("VLLM_DISABLE_PDL")
+    if disabled:
+        os.environ["VLLM_DISABLE_PDL"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_DISABLE_PDL", None)
+        else:
+            os.environ["VLLM_DISABLE_PDL"] = before
 
 
 def count_launches(step: Callable[[int], None]) -> int:
@@ -104,17 +122,22 @@ def bench(
     hidden = torch.randn(ITERS, tokens, k, device=device, dtype=torch.bfloat16)
     gate = (torch.randn(e, k, device=device) / k**0.5).bfloat16()
 
-    def layer(decode: bool) -> Callable[[int], None]:
+    def layer(decode: bool, with_pdl: bool = True) -> Callable[[int], None]:
         def step(it: int) -> None:
             experts.decode_max_tokens = tokens if decode else 0
             x = hidden[it]
-            kernel.forward(x, *gated_topk(x, gate, args.topk, True))
+            with pdl_disabled(not with_pdl):  # read at launch (and capture)
+                kernel.forward(x, *gated_topk(x, gate, args.topk, True))
 
         return step
 
-    steps = {"decode": layer(True), "sorted": layer(False)}
+    steps = {
+        "decode": layer(True),
+        "decode_no_pdl": layer(True, with_pdl=False),
+        "sorted": layer(False),
+    }
     times = time_graphs_us(steps, ITERS)
-    launches = {name: count_launches(step) for name, step in steps.items()}
+    launches = {name: count_launches(steps[name]) for name in ("decode", "sorted")}
     ids = [gated_topk(hidden[it], gate, args.topk, True)[1] for it in range(ITERS)]
     distinct = sum(len(x.unique()) for x in ids) / ITERS
     # weights and their fp32 scales: per channel (fp8), per group of 128 (w4a8)
@@ -125,8 +148,8 @@ def bench(
     }[label]
     bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
-        label, tokens, distinct, bound_us, times["decode"], times["sorted"],
-        launches["decode"], launches["sorted"],
+        label, tokens, distinct, bound_us, times["decode"], times["decode_no_pdl"],
+        times["sorted"], launches["decode"], launches["sorted"],
     )  # fmt: skip
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep
@@ -196,14 +219,14 @@ def main() -> None:
     )
     print(
         f"{'weights':<7} {'tokens':>6} {'experts':>7} {'bound us':>9} "
-        f"{'decode us':>10} {'x bound':>8} {'sorted us':>10} {'x bound':>8} "
-        f"{'launches':>9}"
+        f"{'decode us':>10} {'x bound':>8} {'no PDL us':>10} {'sorted us':>10} "
+        f"{'x bound':>8} {'launches':>9}"
     )
     for r in rows:
         print(
             f"{r.weights:<7} {r.tokens:>6} {r.distinct_experts:>7.1f} "
             f"{r.bound_us:>9.1f} {r.decode_us:>10.1f} {r.decode_ratio:>8.2f} "
-            f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
+            f"{r.decode_no_pdl_us:>10.1f} {r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
             f"{r.decode_launches:>4}/{r.sorted_launches:<4}"
         )
     for key, best in sweeps.items():
