@@ -27,6 +27,11 @@ def master_port() -> str | None:
     return os.environ.get("MASTER_PORT") or None
 
 
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton runs kernels in its interpreter (tests)."""
+    return _flag("TRITON_INTERPRET")
+
+
 def disable_pdl() -> bool:
     """VLLM_DISABLE_PDL=1 launches the decode kernels without programmatic
     dependent launch (for A/B timing and debugging)."""

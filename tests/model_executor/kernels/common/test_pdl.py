@@ -21,6 +21,9 @@ def test_on_from_hopper_unless_disabled(monkeypatch):
     assert pdl(cuda) == ((capability(cuda) or (0, 0)) >= (9, 0))
     monkeypatch.setenv("VLLM_DISABLE_PDL", "1")
     assert not pdl(cuda)
+    monkeypatch.delenv("VLLM_DISABLE_PDL")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # no griddepcontrol there
+    assert not pdl(cuda)
 
 
 def _layers(x, residual, norm_weight, weights):

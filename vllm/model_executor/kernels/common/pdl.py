@@ -12,13 +12,17 @@ The contract of a kernel launched with ``launch_pdl=pdl(...)``:
 - Before :func:`pdl_wait` it stores nothing and loads nothing that the
   previous kernel writes (weights, which no kernel of the step writes, are
   fair game: that is the point).
-- :func:`pdl_wait` also releases the next kernel, and only then: so when a
-  kernel starts, every kernel before its predecessor has completed, and
-  data written two launches back (the routing, read by the MoE's second
-  GEMM) may be read before the wait.
+- :func:`pdl_wait` also releases the next kernel, and only then, in every
+  program that does not exit first (a program that exits releases too, so
+  an early exit comes after the wait): so when a kernel starts, every
+  kernel before its predecessor has completed, and data written two
+  launches back (the routing, read by the MoE's second GEMM) may be read
+  before the wait. A kernel launched with PDL that released earlier would
+  break this for the kernel after it.
 
-Off CUDA (the interpreter's CPU tensors) the flag is False and the kernels
-compile without the instructions.
+Off NVIDIA GPUs and under the Triton interpreter (which has no
+``griddepcontrol``) the flag is False and the kernels compile without the
+instructions.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from vllm.model_executor.kernels.common.device_info import capability
 
 def pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (Hopper and later)."""
+    if torch.version.hip or envs.triton_interpret() or envs.disable_pdl():
+        return False
     cap = capability(device)
-    return cap is not None and cap >= (9, 0) and not envs.disable_pdl()
+    return cap is not None and cap >= (9, 0)
 
 
 @triton.jit

@@ -90,6 +90,9 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
+    # The queries and the step's keys are the previous kernel's; the wait
+    # (which releases the next kernel) comes before any early exit
+    pdl_wait(PDL)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -102,7 +105,6 @@ def _paged_attention_kernel(
     q_pos = context + token
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    pdl_wait(PDL)  # the queries and the step's keys are the previous kernel's
     q = tl.load(
         q_ptr
         + (q_start + token)[:, None] * stride_qt
