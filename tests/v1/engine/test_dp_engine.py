@@ -119,14 +119,17 @@ class TestLockstep:
         for _ in range(3):
             engine.step()
         assert engine.stats().num_running_reqs == 2
+        # rank 1's tokens reach rank 0 with the next step's exchange
+        assert [len(r.output_token_ids) for r in requests] == [3, 2]
         both = engine.stats().kv_cache_usage
         engine.finish_request("abort1")  # rank 1's
         assert requests[1].finish_reason == "abort"
         assert engine.has_unfinished_requests()
         engine.step()  # carries the abort to rank 1
+        engine.step()  # and rank 1's report of its step after it back
         stats = engine.stats()
         assert stats.num_running_reqs == 1 and 0 < stats.kv_cache_usage < both
-        assert len(requests[1].output_token_ids) == 3  # nothing after the abort
+        assert len(requests[1].output_token_ids) == 2  # nothing after the abort
         engine.finish_request("abort0")  # rank 0's: freed at once
         engine.step()
         assert not engine.has_unfinished_requests()
@@ -177,6 +180,7 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
         engine.step()  # carries the abort to rank 1
         assert not engine.has_unfinished_requests()
         assert engine.stats().kv_cache_usage == 0
+        engine.step()  # brings rank 1's report of the step that freed them
         assert all(r.num_used_blocks == 0 for r in engine._reports)
         # Unseeded sampling: both ranks draw alike (their engines' own
         # generators), even when the caller uses the global generator.
@@ -188,6 +192,8 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
             torch.rand(3)
             engine.step()
             peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
+        engine.step()  # rank 1's last token comes with the next exchange
+        peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
         assert peer == request.output_token_ids and len(peer) == 12
         # A rank that samples otherwise stops the engine with a named error.
         engine.generator = torch.Generator().manual_seed(12345)

@@ -24,14 +24,16 @@ Contract:
   ranks (one rank without tensor parallelism): every rank of the group gets
   the request (and its abort) and runs the same steps; the group's first
   rank reports its tokens.
-- Each ``step()``: rank 0 broadcasts the step's commands (new requests per
-  rank, aborts per rank) over a gloo group; every rank applies them and
-  steps its engine, or runs a dummy forward when it has nothing to run
-  (a replay of padding where the ranks replay graphs), so that all ranks
-  call every MoE layer once; the ranks' new tokens,
-  finish reasons and scheduler state are gathered to rank 0, which appends
-  them to the caller's requests. ``step()`` returns the requests of every
-  rank that finished in it.
+- Each ``step()``: one exchange over a gloo group of all ranks carries
+  rank 0's commands for the step (new requests per rank, aborts per rank)
+  and every other rank's report of its previous step (new tokens, finish
+  reasons, scheduler state), which rank 0 appends to the caller's requests;
+  then every rank applies its commands and steps its engine, or runs a
+  dummy forward when it has nothing to run (a replay of padding where the
+  ranks replay graphs), so that all ranks call every MoE layer once.
+  ``step()`` returns the requests that finished in it on rank 0 and in the
+  step before on the others: their tokens reach the caller one step late
+  (one more step, of dummies, ends a run).
 - ``finish_request`` of another rank's request finishes the caller's copy
   at once and frees the rank's blocks at the next step (pending commands
   count as unfinished work, so callers step again).
@@ -195,15 +197,16 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
     control = _join_world(config, rank, port)
     try:
         engine = EngineCore(_rank_config(config, rank))
-        control.gather("workspace reports", engine.workspace_report, rank)
+        control.gather("workspace reports", engine.workspace_report)
         state = _WorkerState()
-        while not (command := control.broadcast_command(None)).stop:
+        report = _report(engine, [])
+        while not (command := control.exchange(report, rank)[0]).stop:
             state.apply(engine, command, rank)
             if engine.has_unfinished_requests():
                 engine.step()
             else:
                 engine.execute_dummy_batch()
-            control.gather("step reports", _report(engine, state.deltas()), rank)
+            report = _report(engine, state.deltas())
     except BaseException:
         # The world is broken (or rank 0 gone): leaving it could block, and
         # no one would stop this process. The traceback is the verdict.
@@ -250,8 +253,8 @@ class _Workers:
         if graceful and self.control is not None and not self.dead():
             size = len(self.processes) + 1
             try:
-                self.control.broadcast_command(
-                    StepCommand([[]] * size, [[]] * size, stop=True)
+                self.control.exchange(
+                    StepCommand([[]] * size, [[]] * size, stop=True), 0
                 )
             except CollectiveError:
                 logger.warning("a data-parallel worker missed the stop command")
@@ -311,7 +314,7 @@ class DPEngineCore(EngineCore):
             workers.control = _join_world(config, 0, port)
             super().__init__(_rank_config(config, 0))
             self.workspace_reports = workers.control.gather(
-                "workspace reports", self.workspace_report, 0
+                "workspace reports", self.workspace_report
             )
         except BaseException as e:
             dead = workers.reap()
@@ -405,7 +408,7 @@ class DPEngineCore(EngineCore):
 
     def stats(self) -> SchedulerStats:
         """All ranks' requests and KV cache usage (other ranks' as of the
-        last step)."""
+        step before the last: their reports come one step late)."""
         reports = [_report(self, []), *self._reports[self._tp :: self._tp]]
         return SchedulerStats(
             sum(r.num_running for r in reports),
@@ -433,30 +436,35 @@ class DPEngineCore(EngineCore):
         command = StepCommand(self._adds, self._aborts)
         self._adds = [[] for _ in range(size)]
         self._aborts = [[] for _ in range(size)]
-        self.last_tokens = {}
         try:
-            control.broadcast_command(command)
-            if super().has_unfinished_requests():
-                finished = super().step()
-            else:
-                finished = []
-                self.last_step = StepShape(0, 0)  # rank 0's own share: none
-                self.execute_dummy_batch()
-            reports = control.gather("step reports", _report(self, []), 0)
+            _, *reports = control.exchange(command, 0)
         except Exception as e:
             self._fail(e)
-        self._reports = reports
+        # the other ranks' previous step, which was this rank's last one
         for rank in range(1, self._tp):
-            self._check_in_step(rank, reports[rank])
+            self._check_in_step(rank, reports[rank - 1])
         # a tensor-parallel group's first rank reports for all of them
-        for report in reports[self._tp :: self._tp]:
+        finished = []
+        for report in reports[self._tp - 1 :: self._tp]:
             finished += self._apply(report)
+        self._reports = [*self._reports[:1], *reports]
+        self.last_tokens = {}
+        try:
+            if super().has_unfinished_requests():
+                finished += super().step()
+            else:
+                self.last_step = StepShape(0, 0)  # rank 0's own share: none
+                self.execute_dummy_batch()
+        except Exception as e:
+            self._fail(e)
         return finished
 
     def _check_in_step(self, rank: int, report: RankReport) -> None:
-        """Fail (rather than mix two sequences' activations, or hang at the
-        next collective) when a rank of this process's tensor-parallel group
-        sampled other tokens than this one."""
+        """Fail (rather than go on mixing two sequences' activations, or
+        hang at a later collective) when a rank of this process's
+        tensor-parallel group sampled other tokens than this one in the
+        previous step (its report comes one step late: that step's output
+        may already hold one token of the mix)."""
         for delta in report.deltas:
             mine = self.last_tokens.get(delta.request_id)
             if delta.token_ids != ([] if mine is None else [mine]):

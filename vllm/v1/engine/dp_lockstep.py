@@ -1,8 +1,10 @@
 """The lockstep protocol of an engine's ranks: what rank 0 orders each step
-(:class:`StepCommand`: new requests and aborts per rank) and what every rank
-reports back (:class:`RankReport`: its new tokens and scheduler state), over
-two gloo groups of all ranks (:class:`ControlGroups`). Failures of these
-collectives surface as :class:`~vllm.distributed.CollectiveError`.
+(:class:`StepCommand`: new requests and aborts per rank) and what every
+other rank reports (:class:`RankReport`: its new tokens and scheduler
+state), both in one exchange per step over a gloo group of all ranks
+(:class:`ControlGroups`): a worker's report of step N travels with rank 0's
+command for step N + 1. Failures of these collectives surface as
+:class:`~vllm.distributed.CollectiveError`.
 """
 
 from __future__ import annotations
@@ -80,80 +82,82 @@ class RankReport:
 @dataclass
 class ControlGroups:
     """gloo groups of all ranks for the step protocol's Python objects:
-    ``commands`` waits without a bound (see ``_IDLE_TIMEOUT``), ``reports``
-    under the engine's collective timeout."""
+    ``steps`` carries the exchanges of every step (workers wait for rank 0
+    without a bound, see ``_IDLE_TIMEOUT``; rank 0 waits at most
+    ``timeout``), ``startup`` the gathers before the first step (under
+    ``timeout``)."""
 
-    commands: ProcessGroup
-    reports: ProcessGroup
+    steps: ProcessGroup
+    startup: ProcessGroup
+    timeout: timedelta
 
     @classmethod
     def create(cls, timeout: timedelta) -> ControlGroups:
         # Every rank calls new_group in the same order.
-        commands = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        reports = dist.new_group(backend="gloo", timeout=timeout)
-        return cls(commands, reports)
+        steps = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        startup = dist.new_group(backend="gloo", timeout=timeout)
+        return cls(steps, startup, timeout)
 
-    def broadcast_command(self, command: StepCommand | None) -> StepCommand:
-        """Rank 0 sends ``command``; the others pass None and receive it. A
-        command without orders (a steady decode step's) is one broadcast of
-        one number; others follow it pickled (a loopback collective costs
-        0.3-0.8 ms on the development machine)."""
-        orders = command is not None and (
-            command.stop or any(command.adds) or any(command.aborts)
-        )
-        flag = torch.tensor([int(orders)])
-        _collective(
-            "broadcast of the step's commands",
-            lambda: dist.broadcast(flag, src=0, group=self.commands),
-        )
-        if not flag.item():
-            size = dist.get_world_size(self.commands)
-            return StepCommand([[] for _ in range(size)], [[] for _ in range(size)])
-        box: list[Any] = [command]
-        _collective(
-            "broadcast of the step's commands",
-            lambda: dist.broadcast_object_list(box, src=0, group=self.commands),
-        )
-        result = box[0]
-        assert isinstance(result, StepCommand)
-        return result
+    def exchange(self, message: Any, rank: int) -> list[Any]:
+        """Every rank's ``message`` on every rank, in rank order: rank 0's
+        :class:`StepCommand` and the others' :class:`RankReport` of their
+        previous step. One collective per step (a loopback one costs
+        0.3-1.5 ms on the development machine; two did before)."""
+        wait = self.timeout if rank == 0 else None
+        return _all_gather_objects(self.steps, "step exchange", message, wait)
 
-    def gather(self, what: str, obj: T, rank: int) -> list[T]:
-        """Every rank's ``obj`` on rank 0 (in rank order); [] elsewhere.
+    def gather(self, what: str, obj: T) -> list[T]:
+        """Every rank's ``obj`` on every rank, in rank order (start-up)."""
+        return _all_gather_objects(self.startup, what, obj, None)
 
-        One all-gather of fixed-size byte blocks (a length, then the
-        pickle) where every rank's object fits :data:`_GATHER_BYTES` (a
-        step's report does, but for hundreds of requests with top
-        log-probabilities); else a second round gathers the objects
-        whole."""
-        payload = pickle.dumps(obj)
-        block = torch.zeros(8 + _GATHER_BYTES, dtype=torch.uint8)
-        fits = len(payload) <= _GATHER_BYTES
-        block[:8] = torch.tensor([len(payload) if fits else -1]).view(torch.uint8)
-        if fits:
-            block[8 : 8 + len(payload)] = torch.frombuffer(
-                bytearray(payload), dtype=torch.uint8
-            )
-        size = dist.get_world_size(self.reports)
-        blocks = [torch.empty_like(block) for _ in range(size)]
-        _collective(
-            f"gather of the ranks' {what}",
-            lambda: dist.all_gather(blocks, block, group=self.reports),
-        )
-        lengths = [int(b[:8].view(torch.int64)) for b in blocks]
-        if min(lengths) < 0:
-            out: list[Any] | None = [None] * size if rank == 0 else None
-            _collective(
-                f"gather of the ranks' {what}",
-                lambda: dist.gather_object(obj, out, dst=0, group=self.reports),
-            )
-            return list(out or [])
-        if rank != 0:
-            return []
-        return [
-            pickle.loads(b[8 : 8 + n].numpy().tobytes())
-            for b, n in zip(blocks, lengths, strict=True)
-        ]
+
+def _all_gather_objects(
+    group: ProcessGroup, what: str, obj: Any, wait: timedelta | None
+) -> list[Any]:
+    """One all-gather of fixed-size byte blocks (a length, then the pickle)
+    where every rank's object fits :data:`_GATHER_BYTES` (a step's does, but
+    for hundreds of new requests or requests with top log-probabilities);
+    else a second round of the longest's size. ``wait``: the longest wait
+    for each round (None: the group's timeout)."""
+    payload = pickle.dumps(obj)
+    block = torch.zeros(8 + _GATHER_BYTES, dtype=torch.uint8)
+    block[:8] = torch.tensor([len(payload)]).view(torch.uint8)
+    fits = len(payload) <= _GATHER_BYTES
+    if fits:
+        block[8 : 8 + len(payload)] = _bytes(payload)
+    blocks = _all_gather(group, what, block, wait)
+    lengths = [int(b[:8].view(torch.int64)) for b in blocks]
+    bodies = [b[8:] for b in blocks]
+    if max(lengths) > _GATHER_BYTES:
+        whole = torch.zeros(max(lengths), dtype=torch.uint8)
+        whole[: len(payload)] = _bytes(payload)
+        bodies = _all_gather(group, what, whole, wait)
+    return [
+        pickle.loads(body[:n].numpy().tobytes())
+        for body, n in zip(bodies, lengths, strict=True)
+    ]
+
+
+def _bytes(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def _all_gather(
+    group: ProcessGroup, what: str, tensor: torch.Tensor, wait: timedelta | None
+) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    op = f"{what} of the ranks"
+
+    def gather() -> None:
+        work = dist.all_gather(out, tensor, group=group, async_op=True)
+        assert work is not None
+        if wait is None:
+            work.wait()
+        else:
+            work.wait(wait)
+
+    _collective(op, gather)
+    return out
 
 
 def _collective(op: str, call: Callable[[], T]) -> T:
