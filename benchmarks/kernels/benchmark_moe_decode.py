@@ -5,12 +5,14 @@ experts at each token count: the layer as the model calls it (the router's
 GEMM and routing, fused at 1 and 2 tokens, then the modular kernel), timed
 under CUDA-graph replay on the decode kernels (route by route,
 :mod:`~vllm.model_executor.kernels.grouped_gemm.decode`), on the same
-launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), and
-on the sorted path; the bound (the router's and the distinct routed
-experts' weights read once at the copy bandwidth measured in the same run),
-the ratios to it, and the kernel launches per call (profiled). With
-``--sweep`` it also times the decode kernels alone over a grid of tiles and
-prints the fastest per token count up to 8.
+launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
+1-2 tokens with the router's GEMM and routing as two kernels
+(``skinny_gemm`` + ``topk_softmax``), and on the sorted path; the bound
+(the router's and the distinct routed experts' weights read once at the
+copy bandwidth measured in the same run), the ratios to it, and the kernel
+launches per call (profiled). With ``--sweep`` it also times the decode
+kernels alone over a grid of tiles and prints the fastest per token count
+up to 8.
 
     python -m benchmarks.kernels.benchmark_moe_decode --tokens 1 2 4 8 16 64
 """
@@ -28,6 +30,8 @@ from pathlib import Path
 import torch
 
 from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
+from vllm.model_executor.kernels.common.router_topk import router_topk_applies
+from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
 from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -46,7 +50,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
-from vllm.model_executor.layers.fused_moe.routing import gated_topk
+from vllm.model_executor.layers.fused_moe.routing import fused_topk, gated_topk
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 SCHEMES = {
@@ -66,6 +70,7 @@ class Row:
     bound_us: float
     decode_us: float
     decode_no_pdl_us: float
+    split_router_us: float | None  # 1-2 tokens, where router_topk applies
     sorted_us: float
     decode_launches: int
     sorted_launches: int
@@ -131,11 +136,18 @@ def bench(
 
         return step
 
+    def split_router(it: int) -> None:
+        experts.decode_max_tokens = tokens
+        x = hidden[it]
+        kernel.forward(x, *fused_topk(x, skinny_gemm(x, gate), args.topk, True))
+
     steps = {
         "decode": layer(True),
         "decode_no_pdl": layer(True, with_pdl=False),
         "sorted": layer(False),
     }
+    if router_topk_applies(tokens, e, torch.bfloat16):
+        steps["split_router"] = split_router
     times = time_graphs_us(steps, ITERS)
     launches = {name: count_launches(steps[name]) for name in ("decode", "sorted")}
     ids = [gated_topk(hidden[it], gate, args.topk, True)[1] for it in range(ITERS)]
@@ -149,7 +161,8 @@ def bench(
     bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["decode_no_pdl"],
-        times["sorted"], launches["decode"], launches["sorted"],
+        times.get("split_router"), times["sorted"], launches["decode"],
+        launches["sorted"],
     )  # fmt: skip
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep
@@ -219,14 +232,16 @@ def main() -> None:
     )
     print(
         f"{'weights':<7} {'tokens':>6} {'experts':>7} {'bound us':>9} "
-        f"{'decode us':>10} {'x bound':>8} {'no PDL us':>10} {'sorted us':>10} "
-        f"{'x bound':>8} {'launches':>9}"
+        f"{'decode us':>10} {'x bound':>8} {'no PDL us':>10} {'2-kernel router':>15} "
+        f"{'sorted us':>10} {'x bound':>8} {'launches':>9}"
     )
     for r in rows:
         print(
             f"{r.weights:<7} {r.tokens:>6} {r.distinct_experts:>7.1f} "
             f"{r.bound_us:>9.1f} {r.decode_us:>10.1f} {r.decode_ratio:>8.2f} "
-            f"{r.decode_no_pdl_us:>10.1f} {r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
+            f"{r.decode_no_pdl_us:>10.1f} "
+            f"{'-' if r.split_router_us is None else f'{r.split_router_us:.1f}':>15} "
+            f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
             f"{r.decode_launches:>4}/{r.sorted_launches:<4}"
         )
     for key, best in sweeps.items():

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+
 
 @triton.jit
 def route_token(
@@ -81,7 +83,9 @@ def _topk_softmax_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # the logits are the previous kernel's
     token = tl.program_id(0).to(tl.int64)
     route_token(
         logits_ptr + token * stride_logits,
@@ -111,6 +115,7 @@ def topk_softmax(
     ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
     if tokens:
         block_e, chunk = route_block_sizes(num_experts)
+        launch_pdl = pdl(device)
         _topk_softmax_kernel[(tokens,)](
             weights,
             ids,
@@ -121,5 +126,7 @@ def topk_softmax(
             RENORMALIZE=renormalize,
             BLOCK_E=block_e,
             CHUNK=chunk,
+            PDL=launch_pdl,
+            launch_pdl=launch_pdl,
         )
     return weights, ids
