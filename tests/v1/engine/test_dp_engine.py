@@ -134,6 +134,21 @@ class TestLockstep:
         engine.step()
         assert not engine.has_unfinished_requests()
         assert engine.stats().kv_cache_usage == 0
+        # Aborts as the last work: the step that carries rank 1's owes its
+        # report, and the step after brings it.
+        for name in ("abort2", "abort3"):  # rank 0's, rank 1's
+            engine.add_request(Request(name, PROMPTS[1], long))
+        for _ in range(2):
+            engine.step()
+        engine.finish_request("abort2")
+        engine.finish_request("abort3")
+        engine.step()
+        assert engine.has_unfinished_requests()
+        assert engine.stats().num_running_reqs == 1  # rank 1, a step ago
+        engine.step()
+        assert not engine.has_unfinished_requests()
+        stats = engine.stats()
+        assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
 
 
 @pytest.mark.parametrize("all2all_backend", ALL2ALL_BACKENDS)
@@ -178,10 +193,12 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
         with pytest.raises(ValueError, match="'tp-abort' is being aborted"):
             engine.add_request(Request("tp-abort", PROMPTS[1], long))
         engine.step()  # carries the abort to rank 1
-        assert not engine.has_unfinished_requests()
         assert engine.stats().kv_cache_usage == 0
-        engine.step()  # brings rank 1's report of the step that freed them
-        assert all(r.num_used_blocks == 0 for r in engine._reports)
+        # and one more step brings rank 1's report of the step that freed them
+        assert engine.has_unfinished_requests()
+        engine.step()
+        assert not engine.has_unfinished_requests()
+        assert all(r.num_used_blocks == 0 for r in engine._peer_reports)
         # Unseeded sampling: both ranks draw alike (their engines' own
         # generators), even when the caller uses the global generator.
         hot = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -191,9 +208,8 @@ def test_tensor_parallel_ranks_match_one_process(checkpoint, reference):
         while engine.has_unfinished_requests():
             torch.rand(3)
             engine.step()
-            peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
-        engine.step()  # rank 1's last token comes with the next exchange
-        peer += [t for d in engine._reports[1].deltas for t in d.token_ids]
+            peer += [t for d in engine._peer_reports[0].deltas for t in d.token_ids]
+        # the loop ran one step past the last token: rank 1's report of it
         assert peer == request.output_token_ids and len(peer) == 12
         # A rank that samples otherwise stops the engine with a named error.
         engine.generator = torch.Generator().manual_seed(12345)

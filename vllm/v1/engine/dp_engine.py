@@ -17,7 +17,8 @@ Contract:
   (workspace manager, experts of its shard, profile run, KV cache, lock):
   the profile runs meet in the MoE layers' collectives, then every rank
   captures the same CUDA graphs (see ``EngineCore``). Every rank's workspace
-  report at lock comes to rank 0 (``workspace_reports``, in rank order).
+  report at lock reaches every rank (rank 0 keeps them as
+  ``workspace_reports``, in rank order).
 - Rank 0 assigns each new request to the data-parallel rank with the fewest
   live requests (the lowest such rank) and holds the caller's ``Request``.
   A data-parallel rank is a tensor-parallel group of ``tp`` consecutive
@@ -33,16 +34,19 @@ Contract:
   ranks replay graphs), so that all ranks call every MoE layer once.
   ``step()`` returns the requests that finished in it on rank 0 and in the
   step before on the others: their tokens reach the caller one step late
-  (one more step, of dummies, ends a run).
+  (one more step, of dummies, ends a run; under tensor parallelism it also
+  checks the peers' last tokens).
 - ``finish_request`` of another rank's request finishes the caller's copy
-  at once and frees the rank's blocks at the next step (pending commands
-  count as unfinished work, so callers step again).
+  at once and frees the rank's blocks at the next step, which ``stats()``
+  shows after the step after it (pending commands and owed reports count
+  as unfinished work, so callers step again).
 - Scheduler limits (``max_num_seqs``, ``max_num_batched_tokens``, the KV
   cache) are per rank.
 - Failures: collectives run under ``distributed_timeout_s``. When a rank dies
   or a step fails, rank 0 raises :class:`DPEngineDeadError` (naming dead
-  ranks and their exit codes) within that timeout, stops the other ranks
-  and refuses further steps. A worker found dead before a step fails it
+  ranks and their exit codes) within that timeout (a worker's failure in
+  its step at rank 0's next step), stops the other ranks and refuses
+  further steps. A worker found dead before a step fails it
   at once; on CUDA, a death during a step's NCCL collectives may instead
   end rank 0 through NCCL's watchdog at the timeout (see
   :mod:`vllm.distributed.parallel_state`). Workers waiting for the next
@@ -330,7 +334,12 @@ class DPEngineCore(EngineCore):
         self._remote: dict[str, tuple[int, Request]] = {}
         self._adds: list[list[NewRequest]] = [[] for _ in range(size)]
         self._aborts: list[list[tuple[str, str]]] = [[] for _ in range(size)]
-        self._reports = [_report(self, [])] * size  # before the first step
+        # ranks 1..N-1 as of their previous step (their reports come with
+        # the next step's exchange)
+        self._peer_reports = [_report(self, [])] * (size - 1)
+        # a report the caller still waits for: the one of the step that
+        # carried an abort, or a tensor-parallel peer's of the last tokens
+        self._report_owed = False
         self._dead: BaseException | None = None
 
     @property
@@ -404,12 +413,14 @@ class DPEngineCore(EngineCore):
             or bool(self._remote)
             or any(self._adds)
             or any(self._aborts)
+            or self._report_owed
         )
 
     def stats(self) -> SchedulerStats:
         """All ranks' requests and KV cache usage (other ranks' as of the
-        step before the last: their reports come one step late)."""
-        reports = [_report(self, []), *self._reports[self._tp :: self._tp]]
+        step before the last: their reports come one step late, and a step
+        that changes them is followed by one that brings them)."""
+        reports = [_report(self, []), *self._peer_reports[self._tp - 1 :: self._tp]]
         return SchedulerStats(
             sum(r.num_running for r in reports),
             sum(r.num_waiting for r in reports),
@@ -426,7 +437,8 @@ class DPEngineCore(EngineCore):
             )
 
     def step(self) -> list[Request]:
-        """One lockstep step of every rank; the requests that finished."""
+        """One lockstep step of every rank; the requests that finished in it
+        on this rank, and in the step before on the others."""
         self._check_alive()
         if dead := self._workers.dead():  # before collectives that could hang
             self._fail(DPEngineDeadError("; ".join(dead)))
@@ -438,18 +450,15 @@ class DPEngineCore(EngineCore):
         self._aborts = [[] for _ in range(size)]
         try:
             _, *reports = control.exchange(command, 0)
-        except Exception as e:
-            self._fail(e)
-        # the other ranks' previous step, which was this rank's last one
-        for rank in range(1, self._tp):
-            self._check_in_step(rank, reports[rank - 1])
-        # a tensor-parallel group's first rank reports for all of them
-        finished = []
-        for report in reports[self._tp - 1 :: self._tp]:
-            finished += self._apply(report)
-        self._reports = [*self._reports[:1], *reports]
-        self.last_tokens = {}
-        try:
+            self._peer_reports = reports
+            # the other ranks' previous step, which was this rank's last one
+            for rank in range(1, self._tp):
+                self._check_in_step(rank, reports[rank - 1])
+            # a tensor-parallel group's first rank reports for all of them
+            finished = []
+            for report in reports[self._tp - 1 :: self._tp]:
+                finished += self._apply(report)
+            self.last_tokens = {}
             if super().has_unfinished_requests():
                 finished += super().step()
             else:
@@ -457,6 +466,9 @@ class DPEngineCore(EngineCore):
                 self.execute_dummy_batch()
         except Exception as e:
             self._fail(e)
+        self._report_owed = any(command.aborts) or (
+            self._tp > 1 and bool(self.last_tokens)
+        )
         return finished
 
     def _check_in_step(self, rank: int, report: RankReport) -> None:
@@ -468,12 +480,10 @@ class DPEngineCore(EngineCore):
         for delta in report.deltas:
             mine = self.last_tokens.get(delta.request_id)
             if delta.token_ids != ([] if mine is None else [mine]):
-                self._fail(
-                    DPEngineDeadError(
-                        f"tensor-parallel rank {rank} sampled {delta.token_ids} "
-                        f"for request {delta.request_id!r} where rank 0 sampled "
-                        f"{mine}: the ranks are out of step"
-                    )
+                raise DPEngineDeadError(
+                    f"tensor-parallel rank {rank} sampled {delta.token_ids} "
+                    f"for request {delta.request_id!r} where rank 0 sampled "
+                    f"{mine}: the ranks are out of step"
                 )
 
     def _apply(self, report: RankReport) -> list[Request]:

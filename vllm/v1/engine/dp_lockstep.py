@@ -10,6 +10,7 @@ command for step N + 1. Failures of these collectives surface as
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,20 +119,21 @@ def _all_gather_objects(
     where every rank's object fits :data:`_GATHER_BYTES` (a step's does, but
     for hundreds of new requests or requests with top log-probabilities);
     else a second round of the longest's size. ``wait``: the longest wait
-    for each round (None: the group's timeout)."""
+    for both rounds together (None: the group's timeout for each)."""
+    deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     payload = pickle.dumps(obj)
     block = torch.zeros(8 + _GATHER_BYTES, dtype=torch.uint8)
     block[:8] = torch.tensor([len(payload)]).view(torch.uint8)
     fits = len(payload) <= _GATHER_BYTES
     if fits:
         block[8 : 8 + len(payload)] = _bytes(payload)
-    blocks = _all_gather(group, what, block, wait)
+    blocks = _all_gather(group, what, block, deadline)
     lengths = [int(b[:8].view(torch.int64)) for b in blocks]
     bodies = [b[8:] for b in blocks]
     if max(lengths) > _GATHER_BYTES:
         whole = torch.zeros(max(lengths), dtype=torch.uint8)
         whole[: len(payload)] = _bytes(payload)
-        bodies = _all_gather(group, what, whole, wait)
+        bodies = _all_gather(group, what, whole, deadline)
     return [
         pickle.loads(body[:n].numpy().tobytes())
         for body, n in zip(bodies, lengths, strict=True)
@@ -143,7 +145,7 @@ def _bytes(payload: bytes) -> torch.Tensor:
 
 
 def _all_gather(
-    group: ProcessGroup, what: str, tensor: torch.Tensor, wait: timedelta | None
+    group: ProcessGroup, what: str, tensor: torch.Tensor, deadline: float | None
 ) -> list[torch.Tensor]:
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     op = f"{what} of the ranks"
@@ -151,10 +153,11 @@ def _all_gather(
     def gather() -> None:
         work = dist.all_gather(out, tensor, group=group, async_op=True)
         assert work is not None
-        if wait is None:
+        if deadline is None:
             work.wait()
         else:
-            work.wait(wait)
+            left = max(0.0, deadline - time.monotonic())
+            work.wait(timedelta(seconds=left))
 
     _collective(op, gather)
     return out
