@@ -5,7 +5,10 @@ and 2 rows, bf16, timed under CUDA-graph replay in turn; each call reads
 another copy of the weight (the copies exceed the L2 cache), as a decode
 step reads each layer's weight once. Prints the times, the weight bytes
 per second as a fraction of the copy bandwidth measured in the same run,
-and which one the model's layer picks (``skinny_gemm_applies``).
+and which one the model's layer picks (``skinny_gemm_applies``). Each is
+timed once more after an RMSNorm, as in a decoder layer: ``skinny_gemm``
+launches with programmatic dependent launch and streams its first weight
+tile while the norm runs, cuBLAS starts after it.
 
     python -m benchmarks.kernels.benchmark_skinny_gemm
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
+from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.skinny_gemm import (
     skinny_gemm,
     skinny_gemm_applies,
@@ -44,6 +48,8 @@ class Row:
     cublas_us: float
     skinny_of_copy: float
     cublas_of_copy: float
+    norm_skinny_us: float  # RMSNorm then the GEMM
+    norm_cublas_us: float
     picked: str
 
 
@@ -56,12 +62,19 @@ def bench(layer: str, rows: int, copy_gbps: float) -> Row:
         torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)
     ]
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    norm_weight = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
     ref = (x.float() @ weights[0].float().T).bfloat16()
     torch.testing.assert_close(skinny_gemm(x, weights[0]), ref, atol=0.5, rtol=2e-2)
     times = time_graphs_us(
         {
             "skinny": lambda i: skinny_gemm(x, weights[i % copies]),
             "cublas": lambda i: torch.matmul(x, weights[i % copies].T),
+            "norm_skinny": lambda i: skinny_gemm(
+                rms_norm(x, norm_weight, 1e-6)[0], weights[i % copies]
+            ),
+            "norm_cublas": lambda i: torch.matmul(
+                rms_norm(x, norm_weight, 1e-6)[0], weights[i % copies].T
+            ),
         },
         ITERS,
     )
@@ -72,7 +85,8 @@ def bench(layer: str, rows: int, copy_gbps: float) -> Row:
     picked = "skinny" if skinny_gemm_applies(rows, n, x.dtype) else "cublas"
     return Row(
         layer, n, k, rows, times["skinny"], times["cublas"],
-        of_copy(times["skinny"]), of_copy(times["cublas"]), picked,
+        of_copy(times["skinny"]), of_copy(times["cublas"]), times["norm_skinny"],
+        times["norm_cublas"], picked,
     )  # fmt: skip
 
 
@@ -89,7 +103,8 @@ def main() -> None:
     print(f"device: {name} | copy bandwidth {copy_gbps:.0f} GB/s | bf16")
     print(
         f"{'layer':<9} {'N x K':>13} {'M':>3} {'skinny us':>9} {'of copy':>7} "
-        f"{'cuBLAS us':>9} {'of copy':>7} {'cuBLAS/skinny':>13}  picked"
+        f"{'cuBLAS us':>9} {'of copy':>7} {'cuBLAS/skinny':>13} "
+        f"{'norm+skinny':>11} {'norm+cuBLAS':>11}  picked"
     )
     rows = []
     for layer in args.layers:
@@ -99,7 +114,8 @@ def main() -> None:
             print(
                 f"{layer:<9} {f'{r.n}x{r.k}':>13} {m:>3} {r.skinny_us:9.2f} "
                 f"{r.skinny_of_copy:7.0%} {r.cublas_us:9.2f} {r.cublas_of_copy:7.0%} "
-                f"{r.cublas_us / r.skinny_us:12.2f}x  {r.picked}",
+                f"{r.cublas_us / r.skinny_us:12.2f}x {r.norm_skinny_us:11.2f} "
+                f"{r.norm_cublas_us:11.2f}  {r.picked}",
                 flush=True,
             )
     write_results(args.output_json, name, rows)
