@@ -127,17 +127,23 @@ def test_async_scheduling_changes_no_token(engine_factory):
     assert len(aborted.output_token_ids) == 1 and not engine.has_unfinished_requests()
 
 
-def test_async_scheduling_is_on_where_supported_and_refuses_data_parallel(
+def test_async_scheduling_is_on_for_one_gpu_rank_and_refuses_tp_and_dbo(
     checkpoint,
 ):
     dp: dict = {"data_parallel_size": 2, "enable_expert_parallel": True}
     assert EngineConfig(checkpoint, device="cuda").async_scheduling is True
     assert EngineConfig(checkpoint, device="cpu").async_scheduling is False
     assert EngineConfig(checkpoint, device="cuda", **dp).async_scheduling is False
+    assert EngineConfig(checkpoint, async_scheduling=True, **dp).async_scheduling
     off = EngineConfig(checkpoint, device="cuda", async_scheduling=False)
     assert off.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling: not supported"):
-        EngineConfig(checkpoint, async_scheduling=True, **dp)
+        EngineConfig(
+            checkpoint, async_scheduling=True, tensor_parallel_size=2,
+            enable_expert_parallel=True,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="async_scheduling: not supported"):
+        EngineConfig(checkpoint, async_scheduling=True, enable_dbo=True, **dp)
 
 
 @pytest.mark.skipif(

@@ -151,6 +151,21 @@ class TestLockstep:
         assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0
 
 
+def test_async_scheduling_changes_no_token(checkpoint, reference):
+    """Each rank schedules its next step while its last one runs; a rank
+    whose step launched nothing (only a step to resolve) still runs a
+    dummy forward, so the ranks stay in step."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, **ARGS, **DP, async_scheduling=True)
+    try:
+        assert token_ids(llm, PROMPTS, PARAMS) == reference
+        assert token_ids(llm, PROMPTS[1:2], PARAMS[1:2]) == reference[1:2]
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        dp_engine(llm).shutdown()
+        reset_workspace_manager()
+
+
 @pytest.mark.parametrize("all2all_backend", ALL2ALL_BACKENDS)
 def test_dual_batch_overlap_changes_no_token(checkpoint, reference, all2all_backend):
     """enable_dbo: every rank's step as two micro-batches on two threads,

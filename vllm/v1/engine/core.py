@@ -93,8 +93,9 @@ class EngineConfig:
     all2all_backend: str = "allgather_reducescatter"  # the ranks' token exchange
     distributed_timeout_s: float = 600.0  # bound on every collective of the ranks
     # schedule and fill step N + 1 while the GPU runs step N (a request that
-    # stops computes one token past its end); None: on where supported, one
-    # data-parallel rank on a GPU (vLLM's default since 0.14)
+    # stops computes one token past its end); None: on for one rank on a GPU
+    # (vLLM's default since 0.14); data-parallel ranks take it when asked
+    # (not yet measured on GPUs), tensor-parallel ones and DBO do not
     async_scheduling: bool | None = None
     # dual-batch overlap: every step as two micro-batches on two threads, one's
     # token exchange overlapping the other's compute (expert parallelism only)
@@ -136,10 +137,12 @@ class EngineConfig:
                 "all2all_backend: tensor-parallel ranks hold the same tokens and "
                 "exchange none; leave the default"
             )
-        if self.async_scheduling and self.world_size > 1:
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_dbo):
             raise ValueError(
-                "async_scheduling: not supported with more than one rank "
-                "(the ranks step in lockstep)"
+                "async_scheduling: not supported with tensor parallelism (its "
+                "ranks check each step's tokens) or dual-batch overlap, got "
+                f"tensor_parallel_size={self.tensor_parallel_size}, "
+                f"enable_dbo={self.enable_dbo}"
             )
         if self.enable_dbo and not (
             self.enable_expert_parallel and self.data_parallel_size > 1

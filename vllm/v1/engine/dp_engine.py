@@ -142,6 +142,21 @@ def _join_world(config: EngineConfig, rank: int, port: int) -> ControlGroups:
     return ControlGroups.create(timeout)
 
 
+def _step_once(engine: EngineCore) -> list[Request]:
+    """This rank's share of a lockstep step (its own engine's: rank 0
+    overrides ``step``): a step, and a dummy forward where that launched
+    none (no requests; with async scheduling, only the last step's to
+    resolve), so that every rank calls every MoE layer once."""
+    if EngineCore.has_unfinished_requests(engine):
+        finished = EngineCore.step(engine)
+    else:
+        finished = []
+        engine.last_step = StepShape(0, 0)
+    if not engine.last_step.tokens:
+        engine.execute_dummy_batch()
+    return finished
+
+
 # -- ranks 1..N-1 ------------------------------------------------------------
 
 
@@ -206,10 +221,7 @@ def _worker_main(config: EngineConfig, rank: int, port: int) -> None:
         report = _report(engine, [])
         while not (command := control.exchange(report, rank)[0]).stop:
             state.apply(engine, command, rank)
-            if engine.has_unfinished_requests():
-                engine.step()
-            else:
-                engine.execute_dummy_batch()
+            _step_once(engine)
             report = _report(engine, state.deltas())
     except BaseException:
         # The world is broken (or rank 0 gone): leaving it could block, and
@@ -459,11 +471,7 @@ class DPEngineCore(EngineCore):
             for report in reports[self._tp - 1 :: self._tp]:
                 finished += self._apply(report)
             self.last_tokens = {}
-            if super().has_unfinished_requests():
-                finished += super().step()
-            else:
-                self.last_step = StepShape(0, 0)  # rank 0's own share: none
-                self.execute_dummy_batch()
+            finished += _step_once(self)
         except Exception as e:
             self._fail(e)
         self._report_owed = any(command.aborts) or (
