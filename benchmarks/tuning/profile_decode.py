@@ -1,5 +1,6 @@
 """Where a decode step's time goes: the engine step (host + GPU), the CUDA
-graph replay alone, and the GPU kernels of one eager step by total time.
+graph replay alone, and the GPU kernels of a replay and of an eager step by
+total time (a short table each).
 
 Run on a CUDA device from the repository root::
 
@@ -99,13 +100,25 @@ def main() -> None:
         f"engine step {step_ms:.3f} ms | graph replay {replay_ms:.3f} ms "
         f"(batch {args.batch_size})"
     )
-    for title, trace in (("graph replays", replays), ("eager steps", prof)):
-        print(f"GPU kernels of 5 {title}:")
-        print(
-            trace.key_averages().table(
-                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
-            )
-        )
+    for title, trace in (("graph replay", replays), ("eager step", prof)):
+        print_kernels(title, trace, runs=5)
+
+
+def print_kernels(title: str, trace: profile, runs: int) -> None:
+    """The GPU kernels of one ``title``, by time: microseconds per run, calls
+    per run (a decoder layer's kernels: one per layer) and per call."""
+    kernels = [
+        (e.key, e.self_device_time_total / runs, e.count / runs)
+        for e in trace.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    kernels.sort(key=lambda k: -k[1])
+    print(f"GPU kernels per {title} (mean of {runs}):")
+    print(f"{'kernel':<64} {'us':>9} {'calls':>6} {'us/call':>8}")
+    for name, us, calls in kernels[:20]:
+        print(f"{name[:64]:<64} {us:9.1f} {calls:6.0f} {us / calls:8.2f}")
+    total = f"all {len(kernels)} kernels"
+    print(f"{total:<64} {sum(k[1] for k in kernels):9.1f}")
 
 
 if __name__ == "__main__":
