@@ -127,6 +127,44 @@ def test_async_scheduling_changes_no_token(engine_factory):
     assert len(aborted.output_token_ids) == 1 and not engine.has_unfinished_requests()
 
 
+def test_async_a_request_preempted_with_its_last_token_in_flight_ends(
+    engine_factory,
+):
+    """Two blocks for two requests: the second step preempts the newer one
+    while the step that samples its last token is in flight. That token
+    ends it (by length or a stop token) when the step resolves: it is
+    returned as finished and never runs again."""
+    prompts = {"a": list(range(1, 17)), "b": list(range(20, 35))}  # 1 block each
+
+    def serve(async_scheduling: bool, b_params: SamplingParams) -> dict:
+        engine = engine_factory(
+            max_model_len=32, num_kv_blocks=2, async_scheduling=async_scheduling
+        )
+        a_params = SamplingParams(temperature=0, max_tokens=2)
+        requests = {
+            "a": Request("a", prompts["a"], a_params),
+            "b": Request("b", prompts["b"], b_params),
+        }
+        for request in requests.values():
+            engine.add_request(request)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += engine.step()
+        assert sorted(r.request_id for r in finished) == ["a", "b"]
+        if async_scheduling:
+            assert requests["b"].num_preemptions == 1
+        return {
+            name: (r.output_token_ids, r.finish_reason) for name, r in requests.items()
+        }
+
+    by_length = SamplingParams(temperature=0, max_tokens=1)
+    reference = serve(False, by_length)
+    assert serve(True, by_length) == reference
+    first = reference["b"][0][0]
+    by_stop = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[first])
+    assert serve(True, by_stop)["b"] == ([first], "stop")
+
+
 def test_async_scheduling_is_on_for_one_gpu_rank_and_refuses_tp_and_dbo(
     checkpoint,
 ):

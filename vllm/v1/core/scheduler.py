@@ -134,8 +134,12 @@ class Scheduler:
         finished = []
         for chunk in chunks:
             request = chunk.request
-            if request.status is RequestStatus.FINISHED and request in self.running:
-                self.running.remove(request)
-                self.pool.free(request.request_id)
-                finished.append(request)
+            if request.status is not RequestStatus.FINISHED:
+                continue
+            # waiting: preempted while this step (its last token) was in flight
+            for queue in (self.running, self.waiting):
+                if request in queue:
+                    queue.remove(request)
+                    self.pool.free(request.request_id)
+                    finished.append(request)
         return finished
