@@ -112,7 +112,8 @@ def add_serve_parser(
         default=None,
         help="Schedule and fill the next step while the GPU runs the current "
         "one; a request that stops computes one token past its end (default: "
-        "on with one data-parallel rank on a GPU, off elsewhere).",
+        "on with one rank on a GPU, off elsewhere; data-parallel ranks take it "
+        "when asked, tensor parallelism and --enable-dbo refuse it).",
     )
     parser.add_argument(
         "--seed",

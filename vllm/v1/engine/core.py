@@ -137,13 +137,6 @@ class EngineConfig:
                 "all2all_backend: tensor-parallel ranks hold the same tokens and "
                 "exchange none; leave the default"
             )
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_dbo):
-            raise ValueError(
-                "async_scheduling: not supported with tensor parallelism (its "
-                "ranks check each step's tokens) or dual-batch overlap, got "
-                f"tensor_parallel_size={self.tensor_parallel_size}, "
-                f"enable_dbo={self.enable_dbo}"
-            )
         if self.enable_dbo and not (
             self.enable_expert_parallel and self.data_parallel_size > 1
         ):
@@ -153,6 +146,13 @@ class EngineConfig:
                 f"token exchange), got data_parallel_size="
                 f"{self.data_parallel_size}, enable_expert_parallel="
                 f"{self.enable_expert_parallel}"
+            )
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_dbo):
+            raise ValueError(
+                "async_scheduling: not supported with tensor parallelism (its "
+                "ranks check each step's tokens) or dual-batch overlap, got "
+                f"tensor_parallel_size={self.tensor_parallel_size}, "
+                f"enable_dbo={self.enable_dbo}"
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(

@@ -33,7 +33,8 @@ Contract:
   dummy forward when it has nothing to run (a replay of padding where the
   ranks replay graphs), so that all ranks call every MoE layer once.
   ``step()`` returns the requests that finished in it on rank 0 and in the
-  step before on the others: their tokens reach the caller one step late
+  step before on the others (each one step later again with async
+  scheduling): their tokens reach the caller one step late
   (one more step, of dummies, ends a run; under tensor parallelism it also
   checks the peers' last tokens).
 - ``finish_request`` of another rank's request finishes the caller's copy

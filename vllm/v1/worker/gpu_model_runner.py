@@ -306,8 +306,10 @@ class GPUModelRunner:
         group = self.dp_group
         if group is None:
             return plan_step(num_tokens, decode, self.graphs, self.mixed_graphs)
-        # On the device group: under lockstep scheduling the GPU is idle
-        # here, and NCCL answers faster than a host round trip over TCP.
+        # On the device group: NCCL answers faster than a host round trip
+        # over TCP. Under lockstep scheduling the GPU is idle here; under
+        # async scheduling the read waits for the step in flight (only the
+        # host work before the plan overlaps it).
         shape = torch.tensor([num_tokens, decode], device=self.device)
         shapes = group.all_gather(shape).view(-1, 2).tolist()
         counts = [n for n, _ in shapes]
