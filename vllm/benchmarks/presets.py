@@ -9,40 +9,37 @@ from pathlib import Path
 
 from vllm.model_executor.model_loader.tiny_checkpoint import TINY_CONFIG
 
+# What Qwen3's MoE models share
+_QWEN3_MOE: dict[str, object] = {
+    "vocab_size": 151936,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+}
+
 MODEL_PRESETS: dict[str, dict[str, object]] = {
     "tiny": TINY_CONFIG,
-    "qwen3-30b-a3b": {
-        "vocab_size": 151936,
+    "qwen3-30b-a3b": _QWEN3_MOE
+    | {
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "moe_intermediate_size": 768,
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "rope_theta": 1e6,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": False,
     },
     # expert parallelism over 8 GPUs: 470 GB of bf16 weights
-    "qwen3-235b-a22b": {
-        "vocab_size": 151936,
+    "qwen3-235b-a22b": _QWEN3_MOE
+    | {
         "hidden_size": 4096,
         "intermediate_size": 12288,
         "moe_intermediate_size": 1536,
         "num_hidden_layers": 94,
         "num_attention_heads": 64,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "rope_theta": 1e6,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": False,
     },
 }
 
