@@ -2,11 +2,11 @@
 
 For bf16 (``triton``), fp8 (``triton_fp8``) and uint4 (``triton_w4a8``)
 experts at each token count: the layer as the model calls it (the router's
-GEMM and routing, fused at 1 and 2 tokens, then the modular kernel), timed
+GEMM and routing, fused at 1 token, then the modular kernel), timed
 under CUDA-graph replay on the decode kernels (route by route,
 :mod:`~vllm.model_executor.kernels.grouped_gemm.decode`), on the same
 launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
-1-2 tokens with the router's GEMM and routing as two kernels
+1 token with the router's GEMM and routing as two kernels
 (``skinny_gemm`` + ``topk_softmax``), and on the sorted path; the bound
 (the router's and the distinct routed experts' weights read once at the
 copy bandwidth measured in the same run), the ratios to it, and the kernel
@@ -70,7 +70,7 @@ class Row:
     bound_us: float
     decode_us: float
     decode_no_pdl_us: float
-    split_router_us: float | None  # 1-2 tokens, where router_topk applies
+    split_router_us: float | None  # 1 token, where router_topk applies
     sorted_us: float
     decode_launches: int
     sorted_launches: int

@@ -111,10 +111,12 @@ def test_invalid_and_non_local_experts_add_nothing(device):
 def test_uint4_weights_match_reference(device, tokens):
     """Packed uint4 weights with a scale per row and group of 128 columns:
     several groups per K step, a partial last step (hidden 384 in steps of
-    256), a non-local expert under a map."""
+    256), GEMM2 in two steps (intermediate 256 in steps of 128: the next
+    step's weights load before the current one's products), a non-local
+    expert under a map."""
     torch.manual_seed(tokens)
     cuda = device.type == "cuda"
-    experts, hidden, inter, topk = (128, 2048, 768, 8) if cuda else (6, 384, 128, 3)
+    experts, hidden, inter, topk = (128, 2048, 768, 8) if cuda else (6, 384, 256, 3)
     dtype = torch.bfloat16 if cuda else torch.float32
     w13, s13, w2, s2 = make_weights(device, dtype, experts, hidden, inter, w4=True)
     assert w13.dtype == torch.uint8 and s13.shape == (experts, 2 * inter, hidden // 128)
@@ -122,7 +124,7 @@ def test_uint4_weights_match_reference(device, tokens):
     ids, weights = routing(tokens, experts, topk, device)
     expert_map = torch.arange(experts, dtype=torch.int32, device=device)
     expert_map[ids[0, 1]] = -1  # that route adds nothing
-    config = None if cuda else DecodeConfig(8, 256, 8, 256)
+    config = None if cuda else DecodeConfig(8, 256, 8, 128)
     got, ref = run_both(x, ids, weights, w13, s13, w2, s2, expert_map, config)
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, atol=tolerance(dtype), rtol=tolerance(dtype))

@@ -100,10 +100,10 @@ def test_router_logits_of_the_wrong_width_are_refused(
 def test_routing_by_the_gate_weight_equals_routing_by_its_logits(
     workspace_init, device
 ):
-    """``gate_weight``: the router's GEMM in the layer (on a GPU at 1 and 2
-    tokens fused with the routing; above, and on the CPU, ``F.linear`` then
-    the routing) routes as its logits do; the fused kernel's counter is one
-    lock buffer of the slot."""
+    """``gate_weight``: the router's GEMM in the layer (on a GPU fused with
+    the routing at 1 token, ``skinny_gemm`` then the routing at 2; above,
+    and on the CPU, ``F.linear`` then the routing) routes as its logits do;
+    the fused kernel's counter is one lock buffer of the slot."""
     moe = moe_config(device, experts_per_token=4)
     layer = make_layer(moe, device, seed=8)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)

@@ -233,21 +233,24 @@ def _decode_down_kernel(
     w_row = tl.where(valid, experts, 0).to(tl.int64)[:, None] * hidden + rows[None, :]
     tile_ok = valid[:, None, None] & row_ok[None, :, None]
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    # Each step loads the next step's weights (masked off past inter): the
+    # first tile streams while GEMM1 finishes
     if W4:
-        pdl_wait(PDL)  # act is the previous kernel's
         groups = inter // GROUP
         half = tl.arange(0, BLOCK_K // 2)
         g = tl.arange(0, BLOCK_K // GROUP)
+        w_rows = w_ptr + w_row[:, :, None] * (inter // 2)
+        packed = tl.load(
+            w_rows + half[None, None, :],
+            mask=tile_ok & (2 * half < inter)[None, None, :],
+            other=0x88,
+        )
+        pdl_wait(PDL)  # act is the previous kernel's
         for k in range(0, inter, BLOCK_K):
             a_ptrs = act_ptr + routes[:, None] * stride_act + k + 2 * half[None, :]
             a_ok = valid[:, None] & (k + 2 * half < inter)[None, :]
             a_even = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
             a_odd = tl.load(a_ptrs + 1, mask=a_ok, other=0.0).to(tl.float32)
-            packed = tl.load(
-                w_ptr + w_row[:, :, None] * (inter // 2) + k // 2 + half[None, None, :],
-                mask=tile_ok & (k + 2 * half < inter)[None, None, :],
-                other=0x88,
-            )
             low, high = _nibbles(packed)
             terms = low * a_even[:, None, :] + high * a_odd[:, None, :]
             per_group = tl.sum(
@@ -261,9 +264,13 @@ def _decode_down_kernel(
                 other=0.0,
             )
             acc += tl.sum(per_group * scale, axis=2)
+            next_k = k + BLOCK_K + 2 * half
+            packed = tl.load(
+                w_rows + (k + BLOCK_K) // 2 + half[None, None, :],
+                mask=tile_ok & (next_k < inter)[None, None, :],
+                other=0x88,
+            )
     else:
-        # Each step loads the next step's weights (masked off past inter):
-        # the first tile streams while GEMM1 finishes
         w_rows = w_ptr + w_row[:, :, None] * inter
         cols = tl.arange(0, BLOCK_K)
         w = tl.load(

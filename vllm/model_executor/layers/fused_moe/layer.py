@@ -324,7 +324,7 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """Route ``hidden_states`` by ``router_logits``, or by the router's
         weight ``gate_weight`` [num_experts, hidden], whose GEMM then runs
-        fused with the routing where a kernel does that (a token or two on a
+        fused with the routing where a kernel does that (one token on a
         GPU: :func:`~.routing.gated_topk`)."""
         return torch.ops.vllm.moe_forward(
             hidden_states, router_logits, gate_weight, self.layer_name

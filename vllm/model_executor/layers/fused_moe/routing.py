@@ -10,6 +10,10 @@ from vllm.model_executor.kernels.common.router_topk import (
     router_topk,
     router_topk_applies,
 )
+from vllm.model_executor.kernels.common.skinny_gemm import (
+    skinny_gemm,
+    skinny_gemm_applies,
+)
 from vllm.model_executor.kernels.common.topk_softmax import topk_softmax
 from vllm.v1.worker.workspace import get_lock_buffer
 
@@ -49,20 +53,25 @@ def gated_topk(
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_topk` of the router's logits ``hidden_states @
-    gate_weight.T`` (in the inputs' dtype); at a token or two on a GPU the
-    GEMM and the routing are one kernel (``router_topk``), whose counter is
-    a lock buffer of the workspace manager (per slot and stream). The
-    counter is taken at every size, so the warm-up at the token budget
-    creates it before the lock."""
+    gate_weight.T`` (in the inputs' dtype). On a GPU at one token the GEMM
+    and the routing are one kernel (``router_topk``), whose counter is a
+    lock buffer of the workspace manager (per slot and stream); at two the
+    GEMM is ``skinny_gemm`` (cuBLAS runs a 128-row router on two thread
+    blocks). The counter is taken at every size, so the warm-up at the
+    token budget creates it before the lock."""
     if runs_gpu_kernels(hidden_states):
         counter = get_lock_buffer("router_topk", 1, hidden_states.device)
         rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
-        if (
-            router_topk_applies(rows, num_experts, hidden_states.dtype)
-            and hidden_states.stride(-1) == gate_weight.stride(-1) == 1
-            and gate_weight.dtype == hidden_states.dtype
+        dtype = hidden_states.dtype
+        fits = (
+            hidden_states.stride(-1) == gate_weight.stride(-1) == 1
+            and gate_weight.dtype == dtype
             and gate_weight.device == hidden_states.device
-        ):
+        )
+        if fits and router_topk_applies(rows, num_experts, dtype):
             return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
+        if fits and skinny_gemm_applies(rows, num_experts, dtype):
+            logits = skinny_gemm(hidden_states, gate_weight)
+            return fused_topk(hidden_states, logits, topk, renormalize)
     logits = F.linear(hidden_states, gate_weight)
     return fused_topk(hidden_states, logits, topk, renormalize)
