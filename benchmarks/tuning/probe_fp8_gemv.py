@@ -14,6 +14,8 @@ bandwidth. Sizes: the one-token MoE GEMM1 of Qwen3-30B-A3B (8 experts x
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -62,6 +64,12 @@ def gemv(w: torch.Tensor, x: torch.Tensor, mode: int, block_n: int) -> torch.Ten
     return out
 
 
+def step(
+    weights: list[torch.Tensor], x: torch.Tensor, mode: int, block_n: int, it: int
+) -> torch.Tensor:
+    return gemv(weights[it % len(weights)], x, mode, block_n)
+
+
 def main() -> None:
     device = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(device)
@@ -90,10 +98,8 @@ def main() -> None:
         x_half = x[: k // 2].contiguous()
         for block_n in (8, 16):
             steps = {
-                name: (
-                    lambda it, m=mode, b=block_n: gemv(
-                        weights[m][it % copies], x_half if m == 0 else x, m, b
-                    )
+                name: partial(
+                    step, weights[mode], x_half if mode == 0 else x, mode, block_n
                 )
                 for name, mode in MODES.items()
             }

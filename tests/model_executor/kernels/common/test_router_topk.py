@@ -58,4 +58,8 @@ def test_no_tokens_and_bad_arguments(device):
     for (a, g, k, c), name in bad:
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             router_topk(a, g, k, True, c)
+    with pytest.raises(ValueError, match=r"^x: expected at most one row, got 3"):
+        router_topk(
+            torch.randn(3, 64, device=device).bfloat16(), gate, 4, True, counter
+        )
     assert counter.item() == 0

@@ -103,10 +103,10 @@ def router_topk(
     """``(weights fp32 [M, topk], ids int32 [M, topk])`` of the token ``x``
     [M <= 1, K] (16-bit) under the router ``gate_weight`` [E, K], largest
     first; ``counter``: an int32 zero on ``x``'s device, left zero."""
+    if x.dim() == 2 and x.shape[0] > 1:
+        raise arg_error("x", f"at most one row, got {x.shape[0]}")
     check_skinny_operands(x, gate_weight, "gate_weight")
     (m, k), num_experts = x.shape, gate_weight.shape[0]
-    if m > 1:
-        raise arg_error("x", f"at most one row, got {m}")
     if not router_topk_applies(1, num_experts, x.dtype):
         raise arg_error(
             "gate_weight", f"at most {ROUTER_MAX_EXPERTS} experts, got {num_experts}"

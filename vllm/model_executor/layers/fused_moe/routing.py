@@ -55,9 +55,10 @@ def gated_topk(
     """:func:`fused_topk` of the router's logits ``hidden_states @
     gate_weight.T`` (in the inputs' dtype). On a GPU at one token the GEMM
     and the routing are one kernel (``router_topk``), whose counter is a
-    lock buffer of the workspace manager (per slot and stream); at two the
-    GEMM is ``skinny_gemm`` (cuBLAS runs a 128-row router on two thread
-    blocks). The counter is taken at every size, so the warm-up at the
+    lock buffer of the workspace manager (per slot and stream); otherwise,
+    where ``skinny_gemm`` applies (two tokens; one past ``router_topk``'s
+    experts), the GEMM is ``skinny_gemm`` (cuBLAS runs a 128-row router on
+    two thread blocks). The counter is taken at every size, so the warm-up at the
     token budget creates it before the lock."""
     if runs_gpu_kernels(hidden_states):
         counter = get_lock_buffer("router_topk", 1, hidden_states.device)
