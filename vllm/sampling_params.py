@@ -14,10 +14,16 @@ class SamplingParams:
     one's probability. ``seed`` makes a request's samples reproducible
     whatever else is in the batch. ``logprobs`` asks for that many most
     likely tokens' log-probabilities (of the model's distribution, before
-    temperature and filters) besides the sampled one's. A request stops
-    after ``max_tokens``, at a token of ``stop_token_ids`` (or the model's
-    EOS unless ``ignore_eos``; both kept in the output), or when its text
-    ends in a string of ``stop`` (cut off)."""
+    penalties, temperature and filters) besides the sampled one's. Penalties
+    (OpenAI's and vLLM's, applied to the logits before everything else,
+    greedy rows included): ``presence_penalty`` is subtracted from every
+    token that the output holds, ``frequency_penalty`` times the number of
+    times it does; ``repetition_penalty`` divides the positive logits (and
+    multiplies the negative ones) of every token in the prompt or the
+    output. A request stops after ``max_tokens``, at a token of
+    ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
+    in the output), or when its text ends in a string of ``stop`` (cut
+    off)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         checks = (
@@ -44,6 +53,19 @@ class SamplingParams:
                 self.logprobs,
             ),
             ("stop", all(self.stop_strings), "non-empty strings", self.stop),
+            *(
+                (name, -2 <= value <= 2, "in [-2, 2]", value)
+                for name, value in (
+                    ("presence_penalty", self.presence_penalty),
+                    ("frequency_penalty", self.frequency_penalty),
+                )
+            ),
+            (
+                "repetition_penalty",
+                0 < self.repetition_penalty < float("inf"),
+                "finite and > 0 (1: none)",
+                self.repetition_penalty,
+            ),
             (
                 "seed",
                 self.seed is None or 0 <= self.seed <= MAX_SEED,
@@ -63,3 +85,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

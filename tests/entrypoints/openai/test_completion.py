@@ -121,6 +121,25 @@ def test_stop_strings_cut_the_text(client):
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
 
 
+def test_penalties_reach_the_sampler(client):
+    """OpenAI's presence and frequency penalties and vLLM's repetition
+    penalty (an extra field) change a greedy completion that repeats
+    tokens: none of the three is ignored."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    plain = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    tokens = plain.choices[0].text
+    assert len(set(tokens)) < len(tokens)  # it repeats, so penalties bite
+    for openai_field, vllm_field in (
+        ({"presence_penalty": 2.0}, {}),
+        ({"frequency_penalty": 2.0}, {}),
+        ({}, {"repetition_penalty": 5.0}),
+    ):
+        out = client.completions.create(
+            **kwargs, **openai_field, extra_body={"ignore_eos": True, **vllm_field}
+        )
+        assert out.choices[0].text != tokens, (openai_field, vllm_field)
+
+
 def test_logprobs(client):
     out = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3

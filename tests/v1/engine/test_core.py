@@ -289,3 +289,45 @@ def test_a_failed_engine_leaves_the_manager_locked(
     with pytest.raises(ValueError, match="model: expected a checkpoint directory"):
         EngineCore(EngineConfig(tmp_path / "absent", device="cpu"))
     assert manager.is_locked()
+
+
+def test_penalties_count_every_earlier_token_sync_and_async(engine_factory):
+    """Greedy with presence and frequency penalties, four requests batched:
+    each token is the argmax of the model's raw log-probabilities (the
+    whole vocabulary, asked as logprobs) less the penalties of the tokens
+    before it. Async scheduling, where the last token is still on the
+    device when the next step samples, gives the same tokens, with the
+    repetition penalty too; and the penalties changed the output."""
+    # (presence, frequency, repetition)
+    cases = {"none": (0.0, 0.0, 1.0), "pf": (0.5, 1.5, 1.0), "pfr": (0.5, 1.5, 1.4)}
+    runs = {}
+    for async_scheduling, case in itertools.product((False, True), cases):
+        engine = engine_factory(async_scheduling=async_scheduling)
+        presence, frequency, repetition = cases[case]
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            logprobs=engine.model.config.vocab_size,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+        )
+        requests = [Request(f"p{i}", PROMPTS[i], params) for i in range(4)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+        runs[async_scheduling, case] = [r.output_token_ids for r in requests]
+        if case != "pf":
+            continue
+        for request in requests:
+            for step, token in enumerate(request.output_token_ids):
+                earlier = request.output_token_ids[:step]
+                scores = {
+                    t: lp - frequency * earlier.count(t) - presence * (t in earlier)
+                    for t, lp in request.top_logprobs[step].items()
+                }
+                assert scores[token] >= max(scores.values()) - 1e-5, (step, token)
+    for case in cases:
+        assert runs[True, case] == runs[False, case], case
+    assert runs[False, "pf"] != runs[False, "none"]

@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.sample.sampler import filtered_probs, sample
+from vllm.v1.sample.sampler import (
+    TokenHistory,
+    apply_penalties,
+    filtered_probs,
+    sample,
+)
 
 
 def draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0):
@@ -89,6 +94,11 @@ def test_samples_follow_the_filtered_distribution():
         ("stop", [""]),
         ("seed", 2**64),
         ("seed", -1),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("inf")),
     ],
 )
 def test_bad_values_are_named(field, value):
@@ -139,3 +149,65 @@ def test_greedy_seeded_and_unseeded_rows_in_one_batch():
     (alone,) = sample(logits[1:2], [seeded], [torch.Generator().manual_seed(11)])
     assert out[1].token_id == alone.token_id
     assert 0 <= out[2].token_id < 80
+
+
+def reference_penalties(logits, params, prompts, outputs):
+    """One row at a time, token by token, as the docstring states them."""
+    out = logits.clone()
+    for row, (p, prompt, output) in enumerate(
+        zip(params, prompts, outputs, strict=True)
+    ):
+        for token in range(logits.shape[1]):
+            count = output.count(token)
+            value = float(out[row, token])
+            if token in prompt or count:
+                rep = p.repetition_penalty
+                value = value / rep if value > 0 else value * rep
+            value -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            out[row, token] = value
+    return out
+
+
+def test_penalties_match_the_reference():
+    """Rows with each penalty alone, all three, none; repeated tokens, an
+    empty history, and tokens still pending on the device (counted as the
+    output's last)."""
+    torch.manual_seed(5)
+    vocab = 40
+    logits = torch.randn(5, vocab)
+    params = [
+        SamplingParams(presence_penalty=0.7),
+        SamplingParams(temperature=0, frequency_penalty=-1.25),
+        SamplingParams(repetition_penalty=1.8),
+        SamplingParams(),
+        SamplingParams(
+            presence_penalty=-0.3, frequency_penalty=0.9, repetition_penalty=0.6
+        ),
+    ]
+    prompts = [[1, 2, 3], [4], [5, 5, 6, 7], [8], [9, 10]]
+    outputs = [[3, 3, 11], [12, 12, 12, 4], [], [13], [10, 14, 14]]
+    pending = torch.tensor([11, -1, 15, 16, 9])
+    history = TokenHistory(prompts, outputs, pending)
+    before = logits.clone()
+    got = apply_penalties(logits, params, history)
+    assert torch.equal(logits, before)  # a copy: the raw logits give logprobs
+    counted = [
+        o + ([int(t)] if t >= 0 else []) for o, t in zip(outputs, pending, strict=True)
+    ]
+    expected = reference_penalties(logits, params, prompts, counted)
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, logits)
+    torch.testing.assert_close(got[3], logits[3])  # no penalty: untouched
+
+
+def test_penalties_steer_greedy_rows_and_leave_logprobs_raw():
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    params = [SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=1)]
+    history = TokenHistory([[0]], [[1, 1]])
+    (token,) = sample(logits, params, [None], history)
+    assert token.token_id == 2  # 3 - 2 * 1 < 2
+    raw = torch.log_softmax(logits, -1)[0]
+    assert token.logprob == pytest.approx(float(raw[2]))
+    assert list(token.top_logprobs) == [1]
+    with pytest.raises(ValueError, match="history: expected"):
+        sample(logits, params, [None])

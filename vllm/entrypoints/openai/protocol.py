@@ -5,8 +5,9 @@ coerced), so wrong types become a 400 naming the field; unknown fields are
 ignored, as OpenAI's and vLLM's servers do. Value ranges that
 :class:`~vllm.sampling_params.SamplingParams` checks (temperature, top_p,
 ...) are left to it: one place states them. Besides OpenAI's fields, the
-sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids`` (and ``add_generation_prompt`` for chat).
+sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` (and
+``add_generation_prompt`` for chat).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class SamplingRequest(RequestModel):
     top_p: float | None = None
     top_k: int | None = None  # -1 or 0: every token (vLLM's spelling)
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     user: str | None = None

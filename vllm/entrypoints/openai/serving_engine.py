@@ -210,6 +210,9 @@ class OpenAIServing:
             "top_p": request.top_p,
             "top_k": top_k,
             "min_p": request.min_p,
+            "presence_penalty": request.presence_penalty,
+            "frequency_penalty": request.frequency_penalty,
+            "repetition_penalty": request.repetition_penalty,
         }
         knobs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         seed = request.seed

@@ -57,7 +57,7 @@ from vllm.transformers_utils.config import load_hf_config
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
-from vllm.v1.sample.sampler import SampledBatch, sample_async
+from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -416,13 +416,18 @@ class EngineCore:
 
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         sampling = [c for c in chunks if c.samples]
+        params = [c.request.sampling_params for c in sampling]
         with self.runner.on_stream():  # the step's logits are read there
             logits = self.runner.execute(chunks, self.pool)
+            history = None
+            if any(p.penalized for p in params):
+                history = self._token_history([c.request for c in sampling])
             sampled = sample_async(
                 logits,
-                [c.request.sampling_params for c in sampling],
+                params,
                 [c.request.generator for c in sampling],
                 self.generator,
+                history,
             )
             done = None
             if self._bounded_wait:
@@ -433,6 +438,29 @@ class EngineCore:
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
         return _Launched(chunks, sampling, sampled, done)
+
+    def _token_history(self, requests: list[Request]) -> TokenHistory:
+        """What the requests' penalties count. Under async scheduling a
+        request's last token may still be the step in flight's, on the
+        device: taken from there (a request's pending tokens are this step's
+        and, past one, the step in flight's)."""
+        pending = None
+        if any(r.num_pending_tokens > 1 for r in requests):
+            assert self._in_flight is not None  # it sampled those tokens
+            rows = {
+                c.request.request_id: i for i, c in enumerate(self._in_flight.sampling)
+            }
+            tokens = self._in_flight.sampled.device_tokens
+            index = [
+                rows[r.request_id] if r.num_pending_tokens > 1 else -1 for r in requests
+            ]
+            where = torch.tensor(index, device=tokens.device)
+            pending = torch.where(where >= 0, tokens[where.clamp(min=0)], -1)
+        return TokenHistory(
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            pending,
+        )
 
     def _resolve(self, launched: _Launched) -> list[Request]:
         """The launched step's tokens appended; its finished requests."""

@@ -1,11 +1,14 @@
 """Next tokens of a batch from its logits, one row per request.
 
-Greedy rows take the argmax. Random rows divide by their temperature, keep
-the ``top_k`` most likely tokens, the smallest set whose probability reaches
-``top_p`` and those of at least ``min_p`` times the top probability, and draw
-from what is left with the request's own generator when it has a seed (the
-same seed gives the same tokens in any batch). Log-probabilities are those
-of the model's distribution (``log_softmax`` of the raw logits).
+Penalized rows first get their presence, frequency and repetition
+penalties from the tokens of their prompt and output so far
+(:class:`TokenHistory`). Greedy rows take the argmax. Random rows divide by
+their temperature, keep the ``top_k`` most likely tokens, the smallest set
+whose probability reaches ``top_p`` and those of at least ``min_p`` times
+the top probability, and draw from what is left with the request's own
+generator when it has a seed (the same seed gives the same tokens in any
+batch). Log-probabilities are those of the model's distribution
+(``log_softmax`` of the raw logits, before penalties).
 """
 
 from __future__ import annotations
@@ -22,6 +25,62 @@ class SampledToken:
     token_id: int
     logprob: float  # of the sampled token; NaN unless the request asked
     top_logprobs: dict[int, float]  # the ``logprobs`` most likely, if asked
+
+
+@dataclass
+class TokenHistory:
+    """The tokens that penalties count, per row of a batch: each request's
+    prompt and output on the host, and under async scheduling the token
+    that the step in flight sampled for it, still on the device
+    (``pending`` [R], -1 for none)."""
+
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    pending: torch.Tensor | None = None
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory
+) -> torch.Tensor:
+    """fp32 ``logits`` [R, V] with each penalized row's penalties applied
+    (the other rows as they were), for the batch at once."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    out = logits.to(torch.float32, copy=True)  # the raw logits give logprobs
+    if not rows:
+        return out
+    vocab, device = logits.shape[1], logits.device
+
+    def token_columns(lists: list[list[int]]) -> torch.Tensor:
+        """The rows' token ids [rows, longest], padded with ``vocab`` (a
+        column past the vocabulary, cut off after counting)."""
+        width = max(1, *(len(lists[i]) for i in rows))
+        padded = [lists[i] + [vocab] * (width - len(lists[i])) for i in rows]
+        return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+
+    def per_row(name: str) -> torch.Tensor:
+        values = [getattr(params[i], name) for i in rows]
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    output = token_columns(history.output_token_ids)
+    if history.pending is not None:
+        pending = history.pending[rows]
+        output = torch.cat(
+            [output, torch.where(pending < 0, vocab, pending)[:, None]], 1
+        )
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, output, torch.ones(output.shape, device=device))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, token_columns(history.prompt_token_ids), True)
+    seen = seen[:, :vocab] | (counts > 0)
+    penalized = out[rows]
+    repetition = per_row("repetition_penalty")
+    scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+    penalized = torch.where(seen, scaled, penalized)
+    penalized -= per_row("frequency_penalty") * counts
+    penalized -= per_row("presence_penalty") * (counts > 0)
+    out[rows] = penalized
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -111,19 +170,26 @@ def sample_async(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     generator: torch.Generator | None = None,
+    history: TokenHistory | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [R, V], left on the device with its
     host copy under way; ``generators[i]`` draws row i's randomness (None:
-    ``generator``'s, the engine's; None: the global generator's)."""
+    ``generator``'s, the engine's; None: the global generator's);
+    ``history``: the rows' tokens, needed when a row has penalties."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
             f"got {len(params)}/{len(generators)}"
         )
-    tokens = logits.argmax(dim=-1)  # greedy rows; random rows replaced below
+    scores = logits
+    if any(p.penalized for p in params):
+        if history is None:
+            raise ValueError("history: expected the rows' tokens for their penalties")
+        scores = apply_penalties(logits, params, history)
+    tokens = scores.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
-        probs = filtered_probs(logits[random], [params[i] for i in random])
+        probs = filtered_probs(scores[random], [params[i] for i in random])
         # The exponential race: argmax(p / E), E ~ Exp(1), draws from p. A
         # seeded row draws from its own generator (the same tokens in any
         # batch); the others in one draw.
@@ -139,7 +205,8 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    history: TokenHistory | None = None,
 ) -> list[SampledToken]:
     """:func:`sample_async`, waited for: one host copy of the tokens for the
     batch (a GPU sync per row would stall each step)."""
-    return sample_async(logits, params, generators).tolist()
+    return sample_async(logits, params, generators, history=history).tolist()
