@@ -14,7 +14,9 @@ batch). Log-probabilities are those of the model's distribution
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
@@ -49,30 +51,31 @@ def apply_penalties(
     if not rows:
         return out
     vocab, device = logits.shape[1], logits.device
+    cells = len(rows) * vocab  # of the penalized rows' [rows, V], row-major
 
-    def token_columns(lists: list[list[int]]) -> torch.Tensor:
-        """The rows' token ids [rows, longest], padded with ``vocab`` (a
-        column past the vocabulary, cut off after counting)."""
-        width = max(1, *(len(lists[i]) for i in rows))
-        padded = [lists[i] + [vocab] * (width - len(lists[i])) for i in rows]
-        return torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+    def cell_index(lists: list[list[int]]) -> torch.Tensor:
+        """``row * vocab + token`` of every token of the rows' lists, built
+        flat on the host (a nested list per step cost ~6x the time)."""
+        lengths = [len(lists[i]) for i in rows]
+        tokens = chain.from_iterable(lists[i] for i in rows)
+        index = np.fromiter(tokens, np.int64, sum(lengths))
+        index += np.repeat(np.arange(len(rows)) * vocab, lengths)
+        return torch.from_numpy(index).to(device, non_blocking=True)
 
     def per_row(name: str) -> torch.Tensor:
         values = [getattr(params[i], name) for i in rows]
         return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
-    output = token_columns(history.output_token_ids)
+    output = cell_index(history.output_token_ids)
     if history.pending is not None:
+        # a row without a pending token counts one past the last cell
         pending = history.pending[rows]
-        output = torch.cat(
-            [output, torch.where(pending < 0, vocab, pending)[:, None]], 1
-        )
-    counts = torch.zeros(len(rows), vocab + 1, device=device)
-    counts.scatter_add_(1, output, torch.ones(output.shape, device=device))
-    counts = counts[:, :vocab]
-    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-    seen.scatter_(1, token_columns(history.prompt_token_ids), True)
-    seen = seen[:, :vocab] | (counts > 0)
+        offsets = torch.arange(0, cells, vocab, device=device)
+        output = torch.cat([output, torch.where(pending < 0, cells, offsets + pending)])
+    counts = torch.bincount(output, minlength=cells + 1)[:cells].view(-1, vocab)
+    seen = torch.zeros(cells, dtype=torch.bool, device=device)
+    seen[cell_index(history.prompt_token_ids)] = True
+    seen = seen.view(-1, vocab) | (counts > 0)
     penalized = out[rows]
     repetition = per_row("repetition_penalty")
     scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
