@@ -20,7 +20,8 @@ class SamplingParams:
     token that the output holds, ``frequency_penalty`` times the number of
     times it does; ``repetition_penalty`` divides the positive logits (and
     multiplies the negative ones) of every token in the prompt or the
-    output. A request stops after ``max_tokens``, at a token of
+    output. ``logit_bias`` (OpenAI's) adds its value, in [-100, 100], to
+    its token's logit. A request stops after ``max_tokens``, at a token of
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
     in the output), or when its text ends in a string of ``stop`` (cut
     off)."""
@@ -38,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = (
@@ -59,6 +61,15 @@ class SamplingParams:
                     ("presence_penalty", self.presence_penalty),
                     ("frequency_penalty", self.frequency_penalty),
                 )
+            ),
+            (
+                "logit_bias",
+                all(
+                    isinstance(t, int) and t >= 0 and -100 <= b <= 100
+                    for t, b in self.logit_bias.items()
+                ),
+                "token ids >= 0 to biases in [-100, 100]",
+                self.logit_bias,
             ),
             (
                 "repetition_penalty",

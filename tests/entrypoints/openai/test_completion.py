@@ -140,6 +140,22 @@ def test_penalties_reach_the_sampler(client):
         assert out.choices[0].text != tokens, (openai_field, vllm_field)
 
 
+def test_logit_bias_forces_a_token(client, server):
+    """OpenAI's ``logit_bias``: +100 on one token makes every greedy token
+    that one."""
+    tokens = httpx.post(server.url_for("tokenize"), json={"prompt": "a"}).json()
+    (token,) = tokens["tokens"]
+    out = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == "a" * 5
+
+
 def test_logprobs(client):
     out = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3

@@ -230,6 +230,9 @@ def test_bad_requests_are_refused_and_others_served(engine_factory):
         engine.add_request(Request("oov", [5, 320], SamplingParams()))
     with pytest.raises(ValueError, match="logprobs: expected <= 320"):
         engine.add_request(Request("lp", [5], SamplingParams(logprobs=321)))
+    with pytest.raises(ValueError, match="logit_bias: expected token ids < 320"):
+        bias = SamplingParams(logit_bias={4: 1.0, 320: 2.0})
+        engine.add_request(Request("bias", [5], bias))
     engine.add_request(Request("dup", [5], SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="request_id: 'dup' is already running"):
         engine.add_request(Request("dup", [6], SamplingParams()))

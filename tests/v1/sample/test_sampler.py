@@ -4,7 +4,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
     TokenHistory,
-    apply_penalties,
+    adjusted_logits,
     filtered_probs,
     sample,
 )
@@ -97,6 +97,8 @@ def test_samples_follow_the_filtered_distribution():
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3.0),
         ("frequency_penalty", float("nan")),
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {-1: 1.0}),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
     ],
@@ -189,7 +191,7 @@ def test_penalties_match_the_reference():
     pending = torch.tensor([11, -1, 15, 16, 9])
     history = TokenHistory(prompts, outputs, pending)
     before = logits.clone()
-    got = apply_penalties(logits, params, history)
+    got = adjusted_logits(logits, params, history)
     assert torch.equal(logits, before)  # a copy: the raw logits give logprobs
     counted = [
         o + ([int(t)] if t >= 0 else []) for o, t in zip(outputs, pending, strict=True)
@@ -211,3 +213,31 @@ def test_penalties_steer_greedy_rows_and_leave_logprobs_raw():
     assert list(token.top_logprobs) == [1]
     with pytest.raises(ValueError, match="history: expected"):
         sample(logits, params, [None])
+
+
+def test_logit_bias_adds_to_its_tokens_after_the_penalties():
+    """+100 makes a token the greedy pick, -100 removes the argmax; a bias
+    adds to the penalized logit; rows without one are untouched; logprobs
+    stay raw."""
+    torch.manual_seed(6)
+    logits = torch.randn(3, 20)
+    top = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0),
+        SamplingParams(temperature=0, logit_bias={top: -100.0}),
+        SamplingParams(temperature=0, frequency_penalty=1.0, logit_bias={2: 0.25}),
+    ]
+    history = TokenHistory([[0]] * 3, [[], [], [2, 2]])
+    got = adjusted_logits(logits, params, history)
+    expected = logits.clone()
+    expected[0, 7] += 100
+    expected[1, top] -= 100
+    expected[2, 2] += -2.0 + 0.25
+    torch.testing.assert_close(got, expected)
+    tokens = sample(logits, params, [None] * 3, history)
+    assert tokens[0].token_id == 7
+    assert tokens[0].logprob == pytest.approx(float(logits[0].log_softmax(-1)[7]))
+    assert tokens[1].token_id == int(logits[1].topk(2).indices[1])
+    # biases alone need no history
+    (alone,) = sample(logits[:1], params[:1], [None])
+    assert alone.token_id == 7

@@ -76,6 +76,7 @@ class SamplingRequest(RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     user: str | None = None

@@ -215,6 +215,14 @@ class OpenAIServing:
             "repetition_penalty": request.repetition_penalty,
         }
         knobs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        if request.logit_bias:
+            if not all(token.isdigit() for token in request.logit_bias):
+                raise OpenAIError(
+                    "logit_bias: expected token ids (strings of digits) as keys, "
+                    f"got {list(request.logit_bias)}",
+                    param="logit_bias",
+                )
+            knobs["logit_bias"] = {int(t): b for t, b in request.logit_bias.items()}
         seed = request.seed
         try:
             return [

@@ -359,7 +359,8 @@ class EngineCore:
 
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` naming the field if this engine's model
-        cannot run ``request`` (its prompt, length or logprobs)."""
+        cannot run ``request`` (its prompt, length, logprobs or logit
+        bias)."""
         params, ids = request.sampling_params, request.prompt_token_ids
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
@@ -371,6 +372,8 @@ class EngineCore:
             )
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
+        if params.logit_bias and (largest := max(params.logit_bias)) >= vocab:
+            raise ValueError(f"logit_bias: expected token ids < {vocab}, got {largest}")
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="

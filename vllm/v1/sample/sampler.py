@@ -2,7 +2,8 @@
 
 Penalized rows first get their presence, frequency and repetition
 penalties from the tokens of their prompt and output so far
-(:class:`TokenHistory`). Greedy rows take the argmax. Random rows divide by
+(:class:`TokenHistory`), then every row its logit bias. Greedy rows take
+the argmax. Random rows divide by
 their temperature, keep the ``top_k`` most likely tokens, the smallest set
 whose probability reaches ``top_p`` and those of at least ``min_p`` times
 the top probability, and draw from what is left with the request's own
@@ -41,16 +42,34 @@ class TokenHistory:
     pending: torch.Tensor | None = None
 
 
-def apply_penalties(
-    logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory
+def adjusted_logits(
+    logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory | None
 ) -> torch.Tensor:
-    """fp32 ``logits`` [R, V] with each penalized row's penalties applied
-    (the other rows as they were), for the batch at once."""
+    """fp32 ``logits`` [R, V] with each row's penalties and logit bias
+    applied, for the batch at once (a copy: the raw logits give logprobs);
+    ``history`` is needed where a row has penalties."""
+    out = logits.to(torch.float32, copy=True)
+    if any(p.penalized for p in params):
+        if history is None:
+            raise ValueError("history: expected the rows' tokens for their penalties")
+        _apply_penalties(out, params, history)
+    biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    if biased:
+        vocab, device = logits.shape[1], logits.device
+        cells = [row * vocab + token for row, bias in biased for token in bias]
+        values = [value for _, bias in biased for value in bias.values()]
+        out.view(-1).index_add_(
+            0, torch.tensor(cells, device=device), torch.tensor(values, device=device)
+        )
+    return out
+
+
+def _apply_penalties(
+    out: torch.Tensor, params: list[SamplingParams], history: TokenHistory
+) -> None:
+    """Each penalized row's penalties applied to ``out`` [R, V] fp32."""
     rows = [i for i, p in enumerate(params) if p.penalized]
-    out = logits.to(torch.float32, copy=True)  # the raw logits give logprobs
-    if not rows:
-        return out
-    vocab, device = logits.shape[1], logits.device
+    vocab, device = out.shape[1], out.device
     cells = len(rows) * vocab  # of the penalized rows' [rows, V], row-major
 
     def cell_index(lists: list[list[int]]) -> torch.Tensor:
@@ -83,7 +102,6 @@ def apply_penalties(
     penalized -= per_row("frequency_penalty") * counts
     penalized -= per_row("presence_penalty") * (counts > 0)
     out[rows] = penalized
-    return out
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -185,10 +203,8 @@ def sample_async(
             f"got {len(params)}/{len(generators)}"
         )
     scores = logits
-    if any(p.penalized for p in params):
-        if history is None:
-            raise ValueError("history: expected the rows' tokens for their penalties")
-        scores = apply_penalties(logits, params, history)
+    if any(p.penalized or p.logit_bias for p in params):
+        scores = adjusted_logits(logits, params, history)
     tokens = scores.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
