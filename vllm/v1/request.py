@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
@@ -36,6 +38,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
+
+    @cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int64 (what penalties count, every step)."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -119,6 +119,12 @@ BAD_REQUESTS = [
     ),
     (
         "completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"\u00b2": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "completions",
         {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}},
         400,
         "logit_bias",

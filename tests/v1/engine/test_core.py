@@ -295,27 +295,37 @@ def test_a_failed_engine_leaves_the_manager_locked(
 
 
 def test_penalties_count_every_earlier_token_sync_and_async(engine_factory):
-    """Greedy with presence and frequency penalties, four requests batched:
-    each token is the argmax of the model's raw log-probabilities (the
-    whole vocabulary, asked as logprobs) less the penalties of the tokens
-    before it. Async scheduling, where the last token is still on the
-    device when the next step samples, gives the same tokens, with the
-    repetition penalty too; and the penalties changed the output."""
+    """Greedy with presence and frequency penalties, six requests of
+    different lengths batched under a small token budget (chunked prefill:
+    the rows move between steps): each token is the argmax of the model's
+    raw log-probabilities (the whole vocabulary, asked as logprobs) less the
+    penalties of the tokens before it. Async scheduling, where the last
+    token is still on the device when the next step samples, gives the same
+    tokens, with the repetition penalty too; and the penalties changed the
+    output."""
     # (presence, frequency, repetition)
     cases = {"none": (0.0, 0.0, 1.0), "pf": (0.5, 1.5, 1.0), "pfr": (0.5, 1.5, 1.4)}
     runs = {}
     for async_scheduling, case in itertools.product((False, True), cases):
-        engine = engine_factory(async_scheduling=async_scheduling)
-        presence, frequency, repetition = cases[case]
-        params = SamplingParams(
-            temperature=0,
-            max_tokens=12,
-            logprobs=engine.model.config.vocab_size,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
+        engine = engine_factory(
+            async_scheduling=async_scheduling, max_num_batched_tokens=16
         )
-        requests = [Request(f"p{i}", PROMPTS[i], params) for i in range(4)]
+        presence, frequency, repetition = cases[case]
+        requests = [
+            Request(
+                f"p{i}",
+                PROMPTS[i],
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=4 + 3 * i,
+                    logprobs=engine.model.config.vocab_size,
+                    presence_penalty=presence,
+                    frequency_penalty=frequency,
+                    repetition_penalty=repetition,
+                ),
+            )
+            for i in range(6)
+        ]
         for request in requests:
             engine.add_request(request)
         while engine.has_unfinished_requests():

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -7,6 +8,7 @@ from vllm.v1.sample.sampler import (
     adjusted_logits,
     filtered_probs,
     sample,
+    sample_async,
 )
 
 
@@ -189,7 +191,7 @@ def test_penalties_match_the_reference():
     prompts = [[1, 2, 3], [4], [5, 5, 6, 7], [8], [9, 10]]
     outputs = [[3, 3, 11], [12, 12, 12, 4], [], [13], [10, 14, 14]]
     pending = torch.tensor([11, -1, 15, 16, 9])
-    history = TokenHistory(prompts, outputs, pending)
+    history = TokenHistory([np.array(p) for p in prompts], outputs, pending)
     before = logits.clone()
     got = adjusted_logits(logits, params, history)
     assert torch.equal(logits, before)  # a copy: the raw logits give logprobs
@@ -205,34 +207,43 @@ def test_penalties_match_the_reference():
 def test_penalties_steer_greedy_rows_and_leave_logprobs_raw():
     logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
     params = [SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=1)]
-    history = TokenHistory([[0]], [[1, 1]])
+    history = TokenHistory([np.array([0])], [[1, 1]])
     (token,) = sample(logits, params, [None], history)
     assert token.token_id == 2  # 3 - 2 * 1 < 2
     raw = torch.log_softmax(logits, -1)[0]
     assert token.logprob == pytest.approx(float(raw[2]))
     assert list(token.top_logprobs) == [1]
-    with pytest.raises(ValueError, match="history: expected"):
+    with pytest.raises(ValueError, match="history: expected the rows' tokens"):
         sample(logits, params, [None])
+    for prompt, output in (([0], [4]), ([-1], [1])):  # a token out of the vocabulary
+        bad = TokenHistory([np.array(prompt)], [output])
+        with pytest.raises(
+            ValueError, match=r"history: expected token ids in \[0, 4\)"
+        ):
+            sample(logits, params, [None], bad)
 
 
-def test_logit_bias_adds_to_its_tokens_after_the_penalties():
-    """+100 makes a token the greedy pick, -100 removes the argmax; a bias
-    adds to the penalized logit; rows without one are untouched; logprobs
-    stay raw."""
+def test_logit_bias_adds_to_its_tokens_before_the_penalties():
+    """+100 makes a token the greedy pick, -100 removes the argmax; the bias
+    comes before the penalties (vLLM's order: a repetition penalty scales
+    the biased logit); rows without one are untouched; logprobs stay raw;
+    an id past the vocabulary (it would land in the next row) is refused."""
     torch.manual_seed(6)
     logits = torch.randn(3, 20)
+    logits[2, 2] = 2.0
     top = int(logits[1].argmax())
     params = [
         SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=0),
         SamplingParams(temperature=0, logit_bias={top: -100.0}),
-        SamplingParams(temperature=0, frequency_penalty=1.0, logit_bias={2: 0.25}),
+        SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={2: -4.0}),
     ]
-    history = TokenHistory([[0]] * 3, [[], [], [2, 2]])
+    history = TokenHistory([np.array([0])] * 3, [[], [], [2]])
     got = adjusted_logits(logits, params, history)
     expected = logits.clone()
     expected[0, 7] += 100
     expected[1, top] -= 100
-    expected[2, 2] += -2.0 + 0.25
+    expected[2, 0] = expected[2, 0] / 2 if expected[2, 0] > 0 else expected[2, 0] * 2
+    expected[2, 2] = (2.0 - 4.0) * 2  # biased, then seen: negative, so times 2
     torch.testing.assert_close(got, expected)
     tokens = sample(logits, params, [None] * 3, history)
     assert tokens[0].token_id == 7
@@ -241,3 +252,44 @@ def test_logit_bias_adds_to_its_tokens_after_the_penalties():
     # biases alone need no history
     (alone,) = sample(logits[:1], params[:1], [None])
     assert alone.token_id == 7
+    with pytest.raises(ValueError, match="logit_bias: expected token ids < 20"):
+        adjusted_logits(logits[:1], [SamplingParams(logit_bias={20: 1.0})], None)
+
+
+@pytest.mark.gpu
+def test_sampling_never_waits_for_the_stream():
+    """Under async scheduling the host samples step N + 1 while the GPU runs
+    step N: a copy from pageable memory or a read of a device value would
+    wait for it. torch's sync debug mode makes any such wait an error; a
+    batch with every feature (filters, a seed, penalties with a pending
+    token, a bias, logprobs) samples without one."""
+    device = torch.device("cuda")
+    logits = torch.randn(5, 300, device=device)
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01),
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0, presence_penalty=1.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.5, frequency_penalty=0.5, logit_bias={3: 5.0}),
+    ]
+    generators = [None, None, torch.Generator(device).manual_seed(7), None, None]
+    prompts = [
+        np.array([1, 2]),
+        np.array([3]),
+        np.array([4]),
+        np.array([5, 6]),
+        np.array([7]),
+    ]
+    outputs = [[8], [], [9, 9], [10, 11], [12]]
+    history = TokenHistory(
+        prompts, outputs, torch.tensor([-1, 2, -1, 5, 9], device=device)
+    )
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = sample_async(logits, params, generators, history=history)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = batch.tolist()
+    assert len(tokens) == 5 and tokens[0].token_id == int(logits[0].argmax())
+    assert len(tokens[0].top_logprobs) == 3

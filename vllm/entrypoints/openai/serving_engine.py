@@ -216,7 +216,8 @@ class OpenAIServing:
         }
         knobs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
         if request.logit_bias:
-            if not all(token.isdigit() for token in request.logit_bias):
+            # ASCII digits only: str.isdigit() takes "²", which int() refuses
+            if not all(t.isascii() and t.isdigit() for t in request.logit_bias):
                 raise OpenAIError(
                     "logit_bias: expected token ids (strings of digits) as keys, "
                     f"got {list(request.logit_bias)}",

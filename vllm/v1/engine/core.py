@@ -57,7 +57,12 @@ from vllm.transformers_utils.config import load_hf_config
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
-from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
+from vllm.v1.sample.sampler import (
+    SampledBatch,
+    TokenHistory,
+    sample_async,
+    to_device,
+)
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -457,10 +462,10 @@ class EngineCore:
             index = [
                 rows[r.request_id] if r.num_pending_tokens > 1 else -1 for r in requests
             ]
-            where = torch.tensor(index, device=tokens.device)
+            where = to_device(index, torch.long, tokens.device)
             pending = torch.where(where >= 0, tokens[where.clamp(min=0)], -1)
         return TokenHistory(
-            [r.prompt_token_ids for r in requests],
+            [r.prompt_array for r in requests],
             [r.output_token_ids for r in requests],
             pending,
         )

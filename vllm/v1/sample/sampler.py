@@ -1,9 +1,9 @@
 """Next tokens of a batch from its logits, one row per request.
 
-Penalized rows first get their presence, frequency and repetition
-penalties from the tokens of their prompt and output so far
-(:class:`TokenHistory`), then every row its logit bias. Greedy rows take
-the argmax. Random rows divide by
+Each row's logit bias is added first; penalized rows then get their
+presence, frequency and repetition penalties from the tokens of their
+prompt and output so far (:class:`TokenHistory`). Greedy rows take the
+argmax. Random rows divide by
 their temperature, keep the ``top_k`` most likely tokens, the smallest set
 whose probability reaches ``top_p`` and those of at least ``min_p`` times
 the top probability, and draw from what is left with the request's own
@@ -33,34 +33,54 @@ class SampledToken:
 @dataclass
 class TokenHistory:
     """The tokens that penalties count, per row of a batch: each request's
-    prompt and output on the host, and under async scheduling the token
-    that the step in flight sampled for it, still on the device
-    (``pending`` [R], -1 for none)."""
+    prompt (an int64 array the request keeps: it never changes) and output
+    on the host, and under async scheduling the token that the step in
+    flight sampled for it, still on the device (``pending`` [R], -1 for
+    none). Token ids must be in the vocabulary."""
 
-    prompt_token_ids: list[list[int]]
+    prompt_token_ids: list[np.ndarray]
     output_token_ids: list[list[int]]
     pending: torch.Tensor | None = None
+
+
+def to_device(
+    values: list[int] | list[float] | np.ndarray,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Host values on ``device`` without waiting for its stream: a copy from
+    pageable memory synchronises with the stream, which would wait for the
+    step's forward pass and undo async scheduling's overlap."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else None
+    host = torch.tensor(values, dtype=dtype) if host is None else host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def adjusted_logits(
     logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory | None
 ) -> torch.Tensor:
-    """fp32 ``logits`` [R, V] with each row's penalties and logit bias
-    applied, for the batch at once (a copy: the raw logits give logprobs);
-    ``history`` is needed where a row has penalties."""
+    """fp32 ``logits`` [R, V] with each row's logit bias then penalties
+    applied (vLLM's order), for the batch at once (a copy: the raw logits
+    give logprobs); ``history`` is needed where a row has penalties."""
+    vocab, device = logits.shape[1], logits.device
     out = logits.to(torch.float32, copy=True)
+    biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    if biased:
+        if max(max(bias) for _, bias in biased) >= vocab:  # else another row's
+            raise ValueError(f"logit_bias: expected token ids < {vocab}")
+        cells = [row * vocab + token for row, bias in biased for token in bias]
+        values = [value for _, bias in biased for value in bias.values()]
+        out.view(-1).index_add_(
+            0,
+            to_device(cells, torch.long, device),
+            to_device(values, torch.float32, device),
+        )
     if any(p.penalized for p in params):
         if history is None:
             raise ValueError("history: expected the rows' tokens for their penalties")
         _apply_penalties(out, params, history)
-    biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
-    if biased:
-        vocab, device = logits.shape[1], logits.device
-        cells = [row * vocab + token for row, bias in biased for token in bias]
-        values = [value for _, bias in biased for value in bias.values()]
-        out.view(-1).index_add_(
-            0, torch.tensor(cells, device=device), torch.tensor(values, device=device)
-        )
     return out
 
 
@@ -72,36 +92,43 @@ def _apply_penalties(
     vocab, device = out.shape[1], out.device
     cells = len(rows) * vocab  # of the penalized rows' [rows, V], row-major
 
-    def cell_index(lists: list[list[int]]) -> torch.Tensor:
-        """``row * vocab + token`` of every token of the rows' lists, built
-        flat on the host (a nested list per step cost ~6x the time)."""
-        lengths = [len(lists[i]) for i in rows]
-        tokens = chain.from_iterable(lists[i] for i in rows)
-        index = np.fromiter(tokens, np.int64, sum(lengths))
-        index += np.repeat(np.arange(len(rows)) * vocab, lengths)
-        return torch.from_numpy(index).to(device, non_blocking=True)
+    def cell_index(tokens: np.ndarray, lengths: list[int]) -> torch.Tensor:
+        """``row * vocab + token`` of the rows' concatenated ``tokens``."""
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(f"history: expected token ids in [0, {vocab})")
+        index = tokens + np.repeat(np.arange(len(rows)) * vocab, lengths)
+        return to_device(index, torch.long, device)
 
     def per_row(name: str) -> torch.Tensor:
         values = [getattr(params[i], name) for i in rows]
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
-    output = cell_index(history.output_token_ids)
+    # the outputs flat through numpy: a nested list per step cost ~6x the time
+    outputs = [history.output_token_ids[i] for i in rows]
+    lengths = [len(o) for o in outputs]
+    flat = np.fromiter(chain.from_iterable(outputs), np.int64, sum(lengths))
+    output = cell_index(flat, lengths)
     if history.pending is not None:
         # a row without a pending token counts one past the last cell
-        pending = history.pending[rows]
+        pending = history.pending[to_device(rows, torch.long, device)]
         offsets = torch.arange(0, cells, vocab, device=device)
         output = torch.cat([output, torch.where(pending < 0, cells, offsets + pending)])
-    counts = torch.bincount(output, minlength=cells + 1)[:cells].view(-1, vocab)
+    # scatter_add, not bincount: bincount reads its input's range on the host
+    counts = torch.zeros(cells + 1, device=device)
+    counts.scatter_add_(0, output, torch.ones(output.shape, device=device))
+    counts = counts[:cells].view(-1, vocab)
+    prompts = [history.prompt_token_ids[i] for i in rows]
     seen = torch.zeros(cells, dtype=torch.bool, device=device)
-    seen[cell_index(history.prompt_token_ids)] = True
+    seen[cell_index(np.concatenate(prompts), [len(p) for p in prompts])] = True
     seen = seen.view(-1, vocab) | (counts > 0)
-    penalized = out[rows]
+    index = to_device(rows, torch.long, device)
+    penalized = out[index]
     repetition = per_row("repetition_penalty")
     scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
     penalized = torch.where(seen, scaled, penalized)
     penalized -= per_row("frequency_penalty") * counts
     penalized -= per_row("presence_penalty") * (counts > 0)
-    out[rows] = penalized
+    out[index] = penalized
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -112,12 +139,12 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     device = logits.device
 
     def per_row(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
     logits = logits.float() / per_row([p.temperature for p in params])
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
-        ks = torch.tensor(top_k, device=device)[:, None]
+        ks = to_device(top_k, torch.long, device)[:, None]
         kth = logits.topk(max(top_k), dim=-1).values.gather(1, ks - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -152,8 +179,9 @@ class SampledBatch:
         self._num_top = [params[i].logprobs or 0 for i in self._asked]
         copies = [tokens]
         if self._asked:
-            logprobs = torch.log_softmax(logits[self._asked].float(), dim=-1)
-            chosen = logprobs.gather(1, tokens[self._asked, None]).squeeze(1)
+            asked = to_device(self._asked, torch.long, tokens.device)
+            logprobs = torch.log_softmax(logits[asked].float(), dim=-1)
+            chosen = logprobs.gather(1, tokens[asked, None]).squeeze(1)
             values, ids = logprobs.topk(max(self._num_top), dim=-1)
             copies += [chosen, values, ids]
         self._event = torch.cuda.Event() if tokens.is_cuda else None
@@ -208,7 +236,8 @@ def sample_async(
     tokens = scores.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
-        probs = filtered_probs(scores[random], [params[i] for i in random])
+        rows = to_device(random, torch.long, logits.device)
+        probs = filtered_probs(scores[rows], [params[i] for i in random])
         # The exponential race: argmax(p / E), E ~ Exp(1), draws from p. A
         # seeded row draws from its own generator (the same tokens in any
         # batch); the others in one draw.
@@ -216,7 +245,7 @@ def sample_async(
         for row, i in enumerate(random):
             if generators[i] is not None:
                 race[row].exponential_(generator=generators[i])
-        tokens[random] = (probs / race).argmax(dim=-1)
+        tokens[rows] = (probs / race).argmax(dim=-1)
     return SampledBatch(logits, tokens, params)
 
 
