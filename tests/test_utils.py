@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 import torch
 
-from vllm.utils import align_up, canonical_device, named_tensors
+from vllm.utils import align_up, canonical_device, named_tensors, to_device
 
 
 @pytest.mark.parametrize(
@@ -30,3 +31,24 @@ def test_named_tensors_follows_containers_once():
     names = dict(named_tensors(Holder(), "h"))
     assert sorted(names) == ["h.parts.0", "h.parts.1.k", "h.w"]
     assert names["h.parts.1.k"].shape == (3,)
+
+
+def test_to_device_copies_without_waiting_for_the_stream(device):
+    """Lists and arrays arrive as the dtype asked for; on a GPU the copy
+    issues behind a long queued kernel without a stream sync (torch's sync
+    debug mode turns a sync into an error) and still reads right."""
+    busy = None
+    if device.type == "cuda":
+        busy = torch.randn(4096, 4096, device=device)
+        for _ in range(20):  # the stream stays busy while the copies issue
+            busy = busy @ busy / 64
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        ints = to_device([3, 1, 2], torch.long, device)
+        floats = to_device(np.array([0.5, 1.5]), torch.float32, device)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert ints.device.type == floats.device.type == device.type
+    assert ints.dtype == torch.long and ints.tolist() == [3, 1, 2]
+    assert floats.dtype == torch.float32 and floats.tolist() == [0.5, 1.5]

@@ -6,12 +6,28 @@ from collections.abc import Iterator
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def align_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple``."""
     return (n + multiple - 1) // multiple * multiple
+
+
+def to_device(
+    values: list[int] | list[float] | np.ndarray,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Host values as a ``dtype`` tensor on ``device``, without waiting for
+    its stream. ``torch.tensor(values, device=...)`` copies and then
+    synchronises the stream, so during a step it waits for the queued
+    forward pass (async scheduling loses its overlap); a non-blocking copy
+    from pageable memory returns once the driver has staged the bytes."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else None
+    host = torch.tensor(values, dtype=dtype) if host is None else host.to(dtype)
+    return host.to(device, non_blocking=True)
 
 
 def canonical_device(device: torch.device | str) -> torch.device:

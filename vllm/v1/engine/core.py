@@ -54,15 +54,11 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import (
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.transformers_utils.config import load_hf_config
+from vllm.utils import to_device
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
-from vllm.v1.sample.sampler import (
-    SampledBatch,
-    TokenHistory,
-    sample_async,
-    to_device,
-)
+from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.utils import to_device
 
 
 @dataclass
@@ -41,21 +42,6 @@ class TokenHistory:
     prompt_token_ids: list[np.ndarray]
     output_token_ids: list[list[int]]
     pending: torch.Tensor | None = None
-
-
-def to_device(
-    values: list[int] | list[float] | np.ndarray,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """Host values on ``device`` without waiting for its stream: a copy from
-    pageable memory synchronises with the stream, which would wait for the
-    step's forward pass and undo async scheduling's overlap."""
-    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else None
-    host = torch.tensor(values, dtype=dtype) if host is None else host.to(dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def adjusted_logits(

@@ -69,6 +69,7 @@ from vllm.forward_context import DPMetadata, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention, bind_kv_cache
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from vllm.utils import to_device
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk
@@ -327,7 +328,7 @@ class GPUModelRunner:
         return DPMetadata([num_tokens] * self.dp_group.world_size)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return to_device(rows, torch.long, self.device)
 
     @torch.inference_mode()
     def execute_dummy(self) -> None:
@@ -462,7 +463,8 @@ class GPUModelRunner:
             # steady decode: the same requests, in the same order
             self.input_ids[: len(pending)].copy_(self._last_tokens[: len(pending)])
             return
-        dst, src = torch.tensor(pending, device=self.device).unbind(1)
+        # (a blocking copy here would wait for the step in flight)
+        dst, src = to_device(np.array(pending), torch.long, self.device).unbind(1)
         self.input_ids.index_copy_(0, dst, self._last_tokens[src])
 
     def remember_sampled(self, tokens: torch.Tensor, request_ids: list[str]) -> None:
