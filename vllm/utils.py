@@ -23,11 +23,16 @@ def to_device(
     """Host values as a ``dtype`` tensor on ``device``, without waiting for
     its stream. ``torch.tensor(values, device=...)`` copies and then
     synchronises the stream, so during a step it waits for the queued
-    forward pass (async scheduling loses its overlap); a non-blocking copy
-    from pageable memory returns once the driver has staged the bytes."""
+    forward pass (async scheduling loses its overlap); a copy from pageable
+    memory may wait too (the driver may sync to stage it). Staged in pinned
+    memory from torch's caching host allocator, which keeps the buffer
+    until the copy has run."""
     host = torch.from_numpy(values) if isinstance(values, np.ndarray) else None
     host = torch.tensor(values, dtype=dtype) if host is None else host.to(dtype)
-    return host.to(device, non_blocking=True)
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True).copy_(host)
+    return pinned.to(device, non_blocking=True)
 
 
 def canonical_device(device: torch.device | str) -> torch.device:

@@ -105,7 +105,10 @@ def _apply_penalties(
     counts = counts[:cells].view(-1, vocab)
     prompts = [history.prompt_token_ids[i] for i in rows]
     seen = torch.zeros(cells, dtype=torch.bool, device=device)
-    seen[cell_index(np.concatenate(prompts), [len(p) for p in prompts])] = True
+    # index_fill_: ``seen[index] = True`` copies the True to the device, blocking
+    seen.index_fill_(
+        0, cell_index(np.concatenate(prompts), list(map(len, prompts))), True
+    )
     seen = seen.view(-1, vocab) | (counts > 0)
     index = to_device(rows, torch.long, device)
     penalized = out[index]
