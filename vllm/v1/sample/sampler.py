@@ -3,13 +3,14 @@
 Each row's logit bias is added first; penalized rows then get their
 presence, frequency and repetition penalties from the tokens of their
 prompt and output so far (:class:`TokenHistory`). Greedy rows take the
-argmax. Random rows divide by
-their temperature, keep the ``top_k`` most likely tokens, the smallest set
-whose probability reaches ``top_p`` and those of at least ``min_p`` times
-the top probability, and draw from what is left with the request's own
-generator when it has a seed (the same seed gives the same tokens in any
-batch). Log-probabilities are those of the model's distribution
-(``log_softmax`` of the raw logits, before penalties).
+argmax. Random rows divide by their temperature, keep the ``top_k`` most
+likely tokens, the smallest set whose probability reaches ``top_p`` and
+those of at least ``min_p`` times the top probability, and draw from what
+is left with the request's own generator when it has a seed (the same seed
+gives the same tokens in any batch). Log-probabilities are those of the
+model's distribution (``log_softmax`` of the raw logits, before penalties).
+Host values reach the device without a stream sync (``to_device``): the
+host samples step N + 1 while the GPU runs step N.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _apply_penalties(
     """Each penalized row's penalties applied to ``out`` [R, V] fp32."""
     rows = [i for i, p in enumerate(params) if p.penalized]
     vocab, device = out.shape[1], out.device
+    row_index = to_device(rows, torch.long, device)
     cells = len(rows) * vocab  # of the penalized rows' [rows, V], row-major
 
     def cell_index(tokens: np.ndarray, lengths: list[int]) -> torch.Tensor:
@@ -96,7 +98,7 @@ def _apply_penalties(
     output = cell_index(flat, lengths)
     if history.pending is not None:
         # a row without a pending token counts one past the last cell
-        pending = history.pending[to_device(rows, torch.long, device)]
+        pending = history.pending[row_index]
         offsets = torch.arange(0, cells, vocab, device=device)
         output = torch.cat([output, torch.where(pending < 0, cells, offsets + pending)])
     # scatter_add, not bincount: bincount reads its input's range on the host
@@ -110,14 +112,13 @@ def _apply_penalties(
         0, cell_index(np.concatenate(prompts), list(map(len, prompts))), True
     )
     seen = seen.view(-1, vocab) | (counts > 0)
-    index = to_device(rows, torch.long, device)
-    penalized = out[index]
+    penalized = out[row_index]
     repetition = per_row("repetition_penalty")
     scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
     penalized = torch.where(seen, scaled, penalized)
     penalized -= per_row("frequency_penalty") * counts
     penalized -= per_row("presence_penalty") * (counts > 0)
-    out[index] = penalized
+    out[row_index] = penalized
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
