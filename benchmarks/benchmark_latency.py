@@ -42,6 +42,7 @@ class LatencyRow:
     input_len: int
     output_len: int
     async_scheduling: bool
+    temperature: float
     ttft_ms: float
     tpot_ms: float
     bound_ms: float  # bytes of a decode step over the copy bandwidth
@@ -90,6 +91,13 @@ def main() -> None:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None
     )
     parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy; vLLM's own latency benchmark samples at 1.0, which "
+        "puts random sampling's work in every step",
+    )
     add_parallel_args(parser)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
@@ -113,7 +121,9 @@ def main() -> None:
     prompts = torch.randint(0, vocab, (args.batch_size, args.input_len), generator=gen)
 
     def timed(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True
+        )
         best = float("inf")
         for _ in range(args.num_iters):
             if device.type == "cuda":
@@ -140,7 +150,8 @@ def main() -> None:
     print(
         f"model {name} ({args.dtype}, {args.quantization or 'unquantized'}), "
         f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out, "
-        f"async scheduling {'on' if overlapped else 'off'}; copy {bandwidth:.0f} GB/s"
+        f"temperature {args.temperature:g}, async scheduling "
+        f"{'on' if overlapped else 'off'}; copy {bandwidth:.0f} GB/s"
     )
     print(
         f"TTFT {ttft * 1e3:.2f} ms | TPOT {tpot * 1e3:.3f} ms | HBM bound "
@@ -149,7 +160,8 @@ def main() -> None:
     )
     row = LatencyRow(
         name, args.dtype, args.quantization, args.batch_size, args.input_len,
-        args.output_len, overlapped, ttft * 1e3, tpot * 1e3, bound_ms, bandwidth,
+        args.output_len, overlapped, args.temperature, ttft * 1e3, tpot * 1e3,
+        bound_ms, bandwidth,
     )  # fmt: skip
     write_results(args.output_json, device_name, [row])
 

@@ -89,13 +89,14 @@ async def send(
     model: str,
     prompt: list[int],
     output_len: int,
+    temperature: float,
 ) -> RequestResult:
     """One streamed completion; errors are recorded, not raised."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -155,8 +156,9 @@ async def run_benchmark(
         async def one(index: int) -> RequestResult:
             async with concurrency:
                 result = await send(
-                    session, url, model, prompts[index], args.output_len
-                )
+                    session, url, model, prompts[index], args.output_len,
+                    args.temperature,
+                )  # fmt: skip
             progress.update()
             return result
 
@@ -236,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--request-rate", type=float, default=float("inf"), help="Poisson, req/s"
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (the default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--disable-tqdm", action="store_true")
