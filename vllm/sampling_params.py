@@ -14,14 +14,14 @@ class SamplingParams:
     one's probability. ``seed`` makes a request's samples reproducible
     whatever else is in the batch. ``logprobs`` asks for that many most
     likely tokens' log-probabilities (of the model's distribution, before
-    penalties, temperature and filters) besides the sampled one's. Penalties
-    (OpenAI's and vLLM's, applied to the logits before everything else,
-    greedy rows included): ``presence_penalty`` is subtracted from every
-    token that the output holds, ``frequency_penalty`` times the number of
-    times it does; ``repetition_penalty`` divides the positive logits (and
+    bias, penalties, temperature and filters) besides the sampled one's.
+    Before everything else, greedy rows included (vLLM's order):
+    ``logit_bias`` (OpenAI's) adds its value, in [-100, 100], to its token's
+    logit; then ``repetition_penalty`` divides the positive logits (and
     multiplies the negative ones) of every token in the prompt or the
-    output. ``logit_bias`` (OpenAI's) adds its value, in [-100, 100], to
-    its token's logit. A request stops after ``max_tokens``, at a token of
+    output, and ``presence_penalty`` is subtracted from every token that
+    the output holds, ``frequency_penalty`` times the number of times it
+    does. A request stops after ``max_tokens``, at a token of
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
     in the output), or when its text ends in a string of ``stop`` (cut
     off)."""
