@@ -103,9 +103,12 @@ def test_a_killed_engine_fails_the_streams_and_ignores_ctrl_c(checkpoint):
         await asyncio.sleep(0.5)
         assert client.process.exitcode is None
         await anext(stream)  # still serving
+        # A request in flight when the engine dies (the first one may have
+        # finished by now on a fast CPU): its stream must fail, not hang.
+        in_flight = await engine.add_requests([[4, 5, 6]], [long])
         client.process.kill()
         with pytest.raises(EngineDeadError, match="exited with code -9"):
-            async for _ in stream:
+            async for _ in in_flight:
                 pass
         assert engine.dead
         with pytest.raises(EngineDeadError):
