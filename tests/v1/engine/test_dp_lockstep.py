@@ -65,4 +65,5 @@ def _silent_worker(rank: int, world_size: int, port: int) -> float | None:
 
 def test_rank_0_waits_at_most_the_timeout():
     waited, _ = values(run_workers(_silent_worker, 2))
-    assert 1 <= waited < 3
+    # gloo's clock may end the 1 s wait a little early (CI saw 0.9999 s)
+    assert 0.9 <= waited < 3
