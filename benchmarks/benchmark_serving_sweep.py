@@ -74,11 +74,16 @@ def run_serving(
         client = [sys.executable, str(HERE / "benchmark_serving.py")]
         client += ["--base-url", server.base_url, "--input-len", str(args.input_len)]
         client += ["--output-len", str(args.output_len), "--disable-tqdm"]
-        # warm-up: the first requests' compilations
-        subprocess.run([*client, "--num-prompts", "4"], check=True)
+        # warm-up: the first requests' compilations. Every run draws its own
+        # prompts (seed): none finds another's in the prefix cache
+        warm_up_seed = str(max(args.concurrency) + 1)
+        subprocess.run(
+            [*client, "--num-prompts", "4", "--seed", warm_up_seed], check=True
+        )
         for c in args.concurrency:
             path = runs / f"serving_c{c}.json"
             flags = ["--max-concurrency", str(c), "--result-json", str(path)]
+            flags += ["--seed", str(c)]
             flags += ["--num-prompts", str(num_requests(args, c))]
             print("$", " ".join(client + flags), flush=True)
             subprocess.run(client + flags, check=True)

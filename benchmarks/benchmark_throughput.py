@@ -9,7 +9,10 @@ on a GPU:
     python benchmarks/benchmark_throughput.py --preset qwen3-30b-a3b \
         --num-prompts 1000 --input-len 512 --output-len 256 --hf-requests 64
 
-The default ``tiny`` preset runs on a CPU.
+The default ``tiny`` preset runs on a CPU. ``--prefix-len N`` gives every
+prompt the same first N tokens (a shared system prompt): with prefix
+caching (the default; ``--no-enable-prefix-caching`` to compare) the
+requests after the first skip its whole blocks.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class ThroughputRow:
     requests: int
     input_len: int
     output_len: int
+    prefix_len: int  # the prompts' shared first tokens
+    prefix_caching: bool
     seconds: float
     output_tokens_per_s: float
     total_tokens_per_s: float
@@ -62,10 +67,13 @@ def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         **parallel_engine_args(args),
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[: min(len(prompts), 4)], params)  # warm-up
+    # warm-up on other prompts: the timed ones find nothing in the prefix cache
+    vocab = llm.engine.model.config.vocab_size
+    llm.generate([[(t + 1) % vocab for t in p] for p in prompts[:4]], params)
     device = llm.engine.device
     engine, times = llm.engine, LoopTimes()
     step = engine.step
@@ -90,6 +98,11 @@ def run_ours(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
         f"{times.decode_s * 1e3 / max(times.decode_steps, 1):.1f} ms, {mixed} "
         f"mixed at {(times.step_s - times.decode_s) * 1e3 / max(mixed, 1):.1f} ms); "
         f"{times.tokens / times.steps:.0f} tokens/step"
+    )
+    stats = engine.stats()
+    print(
+        f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} "
+        "prompt tokens found (the warm-up's included)"
     )
     report = current_workspace_manager().memory_report()
     kv_bytes = llm.engine.pool.num_blocks * llm.engine.runner.kv_block_bytes()
@@ -158,10 +171,20 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--prefix-len", type=int, default=0, help="first tokens shared by all prompts"
+    )
     add_parallel_args(parser)
     parser.add_argument("--hf-requests", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
+    if not 0 <= args.prefix_len <= args.input_len:
+        parser.error(
+            f"--prefix-len: expected 0..{args.input_len}, got {args.prefix_len}"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = args.model.name if args.model else args.preset
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,7 +193,9 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(
             0, vocab, (args.num_prompts, args.input_len), generator=gen
-        ).tolist()
+        )
+        prompts[:, : args.prefix_len] = prompts[0, : args.prefix_len]
+        prompts = prompts.tolist()
         runs = [("ours", len(prompts), run_ours(args, model_dir, prompts))]
         if args.hf_requests:
             hf = prompts[: args.hf_requests]
@@ -181,7 +206,8 @@ def main() -> None:
     print(f"device: {device_name}")
     print(
         f"model {name} ({args.dtype}, {args.quantization or 'unquantized'}), "
-        f"{args.input_len} in / {args.output_len} out per request"
+        f"{args.input_len} in ({args.prefix_len} shared) / {args.output_len} out "
+        f"per request, prefix caching {'on' if args.enable_prefix_caching else 'off'}"
     )
     print(
         f"{'engine':<13} {'requests':>8} {'seconds':>9} {'out tok/s':>11} {'tok/s':>11}"
@@ -202,6 +228,8 @@ def main() -> None:
                 n,
                 args.input_len,
                 args.output_len,
+                args.prefix_len,
+                engine == "ours" and args.enable_prefix_caching,
                 seconds,
                 out_rate,
                 total_rate,

@@ -38,6 +38,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when it was first scheduled
+    # (None before that).
+    num_cached_tokens: int | None = None
+    # Hashes of its full blocks, in order, as far as the pool has needed them.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @cached_property
     def prompt_array(self) -> np.ndarray:

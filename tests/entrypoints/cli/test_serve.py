@@ -23,7 +23,7 @@ FLAGS = [
     "--gpu-memory-utilization", "--dtype", "--quantization", "--load-format",
     "--max-num-seqs", "--max-num-batched-tokens", "--enforce-eager", "--seed",
     "--chat-template", "--tensor-parallel-size", "--data-parallel-size",
-    "--enable-expert-parallel", "--all2all-backend",
+    "--enable-expert-parallel", "--all2all-backend", "--enable-prefix-caching",
 ]  # fmt: skip
 
 

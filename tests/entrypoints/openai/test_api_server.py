@@ -333,6 +333,26 @@ def request_done(now: dict[str, float], before: dict[str, float]) -> bool:
     )
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_and_gets_the_same_text(server):
+    client = server.client()
+    prompt = "def fibonacci(n):\n    " * 12  # several blocks of 16 tokens
+    before = server.metrics()
+    completions = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+        )
+        for _ in range(2)
+    ]
+    after = server.metrics()
+    assert completions[0].choices[0].text == completions[1].choices[0].text
+    queried = after["vllm:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"]
+    assert queried - before["vllm:prefix_cache_queries_total"] >= 2 * 32
+    # the second request found the first's whole blocks (one may be the last)
+    assert hits - before["vllm:prefix_cache_hits_total"] >= 32
+    assert hits <= queried
+
+
 def test_metrics_have_vllm_names(server):
     server.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
     metrics = server.metrics()
@@ -342,6 +362,8 @@ def test_metrics_have_vllm_names(server):
         "vllm:kv_cache_usage_perc",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
         "vllm:time_to_first_token_seconds_count",
         "vllm:inter_token_latency_seconds_count",
         "vllm:e2e_request_latency_seconds_count",

@@ -96,3 +96,33 @@ def test_bad_config_names_the_field(field):
     values = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_model_len": 1}
     with pytest.raises(ValueError, match=f"{field}: expected >= 1, got 0"):
         SchedulerConfig(**(values | {field: 0}))
+
+
+def test_a_joining_request_starts_after_its_cached_prefix():
+    pool = BlockPool(16, 4, enable_caching=True)
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), pool)
+    scheduler.add_request(first := request("a", 10))
+    scheduler.add_request(request("twin", 10))  # same step: nothing cached yet
+    assert step(scheduler) == [("a", 0, 10), ("twin", 0, 10)]
+    scheduler.add_request(later := request("b", 10))
+    assert step(scheduler) == [("a", 10, 11), ("twin", 10, 11), ("b", 8, 10)]
+    assert (first.num_cached_tokens, later.num_cached_tokens) == (0, 8)
+    assert pool.block_table("b")[:2] == pool.block_table("a")[:2]
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (30, 8)
+
+
+def test_a_preempted_request_resumes_from_what_is_left_of_its_blocks():
+    pool = BlockPool(4, 4, enable_caching=True)
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), pool)
+    old = request("old", 8, 8)
+    new = Request("new", list(range(20, 28)), SamplingParams(max_tokens=8))
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    assert step(scheduler) == [("old", 0, 8), ("new", 0, 8)]  # the pool is full
+    # old's 9th token takes new's last block; its first stays cached
+    assert step(scheduler) == [("old", 8, 9)]
+    assert new.num_preemptions == 1
+    scheduler.finish_request("old")
+    assert step(scheduler) == [("new", 4, 9)]  # prompt + its token, less a block
+    assert new.num_cached_tokens == 0  # counted when it first joined
+    assert scheduler.prefix_cache_hits == 4

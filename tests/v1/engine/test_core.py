@@ -21,6 +21,7 @@ PROMPTS = [
     for n in torch.randint(1, 41, (16,), generator=_gen)
 ]
 MAX_TOKENS = [1 + i % 10 for i in range(16)]
+SHARED = torch.randint(0, 320, (40,), generator=_gen).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +253,63 @@ def test_abort_frees_blocks_at_once(engine_factory):
     assert not engine.has_unfinished_requests()
 
 
+def shared_prefix_requests(params: SamplingParams) -> list[Request]:
+    """Prompts that share SHARED's first 40, 33, 16, 17 and 5 tokens (two
+    and a half blocks of 16, two and a token, one, one and a token, none),
+    some with tokens of their own after it."""
+    lengths = (40, 40, 33, 16, 17, 5)
+    return [
+        Request(f"s{i}", SHARED[:n] + [300 + i] * (i % 3), params)
+        for i, n in enumerate(lengths)
+    ]
+
+
+GREEDY_6 = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+
+
+def run_shared_prefixes(
+    engine: EngineCore, params: SamplingParams = GREEDY_6
+) -> list[Request]:
+    """The first request alone, then the others together."""
+    first, *others = requests = shared_prefix_requests(params)
+    for batch in ([first], others):
+        for request in batch:
+            engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return requests
+
+
+def test_prefix_caching_changes_no_token(engine_factory):
+    """Requests that find their prompt's first blocks in the cache skip
+    them and get the tokens and log-probabilities of the engine without
+    the cache; so do requests resumed after preemption and steps scheduled
+    asynchronously."""
+    plain = run_shared_prefixes(engine_factory(enable_prefix_caching=False))
+    assert all(r.num_cached_tokens == 0 for r in plain)
+    engine = engine_factory()
+    cached = run_shared_prefixes(engine)
+    # whole blocks, short of each prompt's last token (s3 is exactly a block)
+    assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
+    assert engine.stats().prefix_cache_hits == 80
+    assert engine.stats().prefix_cache_queries == sum(
+        len(r.prompt_token_ids) for r in cached
+    )
+    for want, got in zip(plain, cached, strict=True):
+        assert got.output_token_ids == want.output_token_ids
+        torch.testing.assert_close(
+            torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs)
+        )
+    for kwargs in ({"num_kv_blocks": 4}, {"async_scheduling": True}):
+        engine = engine_factory(max_num_batched_tokens=32, **kwargs)
+        requests = run_shared_prefixes(engine)
+        assert [r.output_token_ids for r in requests] == [
+            r.output_token_ids for r in plain
+        ], kwargs
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert sum(r.num_preemptions for r in requests) == 0  # async, many blocks
+
+
 @pytest.mark.gpu
 def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
     """bf16 on CUDA with the GPU experts backend, the KV cache sized from
@@ -278,6 +336,44 @@ def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
         assert engine.pool.num_blocks * 16 > 64 * 16  # sized from the GPU's memory
     finally:
         reset_workspace_manager()
+
+
+@pytest.mark.gpu
+def test_prefix_caching_on_the_gpu_matches_the_engine_without_it(checkpoint):
+    """bf16 on CUDA (graphs, async scheduling): the first token's
+    log-probabilities over the whole vocabulary of requests that start after
+    cached blocks are those of the engine without the cache, within bf16
+    noise (other batch shapes round differently, so ties may move and only
+    the first token is compared)."""
+    first_tokens = []
+    for caching in (False, True):
+        reset_workspace_manager()
+        try:
+            config = EngineConfig(
+                checkpoint,
+                dtype="bfloat16",
+                device="cuda",
+                max_model_len=64,
+                gpu_memory_utilization=0.05,
+                enable_prefix_caching=caching,
+                prefix=next(_prefixes),
+            )
+            engine = EngineCore(config)
+            vocab = engine.model.config.vocab_size
+            params = SamplingParams(temperature=0, max_tokens=1, logprobs=vocab)
+            first_tokens.append(run_shared_prefixes(engine, params))
+        finally:
+            reset_workspace_manager()
+    plain, cached = first_tokens
+    assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
+    for want, got in zip(plain, cached, strict=True):
+        ids = sorted(want.top_logprobs[0])
+        torch.testing.assert_close(
+            torch.tensor([got.top_logprobs[0][t] for t in ids]),
+            torch.tensor([want.top_logprobs[0][t] for t in ids]),
+            atol=0.1,
+            rtol=0,
+        )
 
 
 def test_a_failed_engine_leaves_the_manager_locked(

@@ -107,6 +107,13 @@ def add_serve_parser(
         help="Run every step eagerly, no CUDA graphs (default: off).",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse the KV cache of an earlier request's equal prompt prefix, "
+        "in whole blocks of 16 tokens (default: on).",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,

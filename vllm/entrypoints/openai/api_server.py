@@ -244,6 +244,7 @@ def build_async_engine(
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         data_parallel_size=args.data_parallel_size,

@@ -9,6 +9,10 @@ blocks allow. When a running request needs a block and none is free, the
 newest running request is preempted: its blocks are freed and it waits to be
 recomputed from its prompt and the tokens it has produced, so nothing is lost
 and greedy output does not change.
+With prefix caching, a request joining takes its prompt's cached blocks
+and starts computing after them (a preempted one too: its own blocks may
+still be cached). The blocks a step computes are registered once the whole
+step is scheduled, so a request only ever reads blocks of earlier steps.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class Scheduler:
         self.config, self.pool = config, pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Tokens of requests joining (first time or resumed) that the prefix
+        # cache was asked for, and those it held: vLLM's hit-rate counters.
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,15 +115,23 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a step in flight
                 break
-            start = request.num_computed_tokens
+            cached = self.pool.cached_prefix(request)
+            start = len(cached) * self.pool.block_size
             end = min(request.num_tokens, start + budget)
-            if self.pool.allocate(request.request_id, end) is None:
+            if self.pool.allocate(request.request_id, end, cached) is None:
                 break
+            if self.pool.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += start
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._scheduled(request, start, end))
             budget -= end - start
+        for chunk in chunks:
+            self.pool.cache_blocks(chunk.request, chunk.end)
         return chunks
 
     @staticmethod

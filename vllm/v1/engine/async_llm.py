@@ -315,10 +315,7 @@ class AsyncLLM:
 
     def _record_scheduler(self, outputs: EngineCoreOutputs) -> None:
         if self.stat_logger is not None:
-            stats = outputs.stats
-            self.stat_logger.record_scheduler(
-                stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
-            )
+            self.stat_logger.record_scheduler(outputs.stats)
 
     def _fail_all(self, dead: Dead) -> None:
         """Every request in flight and every pending add gets the error."""

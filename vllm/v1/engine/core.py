@@ -85,6 +85,9 @@ class EngineConfig:
     moe_backend: str = "auto"
     quantization: str | None = None  # "fp8", "w4a16" or "w4a8", applied while loading
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # a request reuses the KV cache's blocks of an earlier one's equal prefix
+    # (whole blocks; on by default, as in vLLM)
+    enable_prefix_caching: bool = True
     seed: int = 0  # dummy weights and the sampling of unseeded requests
     prefix: str = ""  # layer names; unique per engine in a process
     data_parallel_size: int = 1  # ranks, one process (and one GPU) each
@@ -200,6 +203,10 @@ class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float  # fraction of the pool's blocks in use
+    # since the start, in tokens: asked of the prefix cache by requests
+    # joining a batch, and found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineCore:
@@ -334,7 +341,7 @@ class EngineCore:
                 f"{max(num_blocks, 0) * BLOCK_SIZE} tokens, fewer than "
                 f"max_model_len={self.max_model_len}"
             )
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE)
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, config.enable_prefix_caching)
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(scheduler_config, self.pool)
@@ -387,10 +394,13 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         pool = self.pool
+        scheduler = self.scheduler
         return SchedulerStats(
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
+            len(scheduler.running),
+            len(scheduler.waiting),
             1.0 - pool.num_free_blocks / pool.num_blocks,
+            scheduler.prefix_cache_queries,
+            scheduler.prefix_cache_hits,
         )
 
     def has_unfinished_requests(self) -> bool:

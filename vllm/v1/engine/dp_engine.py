@@ -109,13 +109,15 @@ class DPEngineDeadError(RuntimeError):
 
 
 def _report(engine: EngineCore, deltas: list[TokenDelta]) -> RankReport:
-    pool = engine.pool
+    pool, scheduler = engine.pool, engine.scheduler
     return RankReport(
         deltas,
-        len(engine.scheduler.running),
-        len(engine.scheduler.waiting),
+        len(scheduler.running),
+        len(scheduler.waiting),
         pool.num_blocks - pool.num_free_blocks,
         pool.num_blocks,
+        scheduler.prefix_cache_queries,
+        scheduler.prefix_cache_hits,
     )
 
 
@@ -439,6 +441,8 @@ class DPEngineCore(EngineCore):
             sum(r.num_waiting for r in reports),
             sum(r.num_used_blocks for r in reports)
             / sum(r.num_blocks for r in reports),
+            sum(r.prefix_cache_queries for r in reports),
+            sum(r.prefix_cache_hits for r in reports),
         )
 
     # -- the step ------------------------------------------------------------

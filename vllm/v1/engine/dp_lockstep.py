@@ -78,6 +78,8 @@ class RankReport:
     num_waiting: int
     num_used_blocks: int
     num_blocks: int
+    prefix_cache_queries: int  # the rank's scheduler's, since the start
+    prefix_cache_hits: int
 
 
 @dataclass

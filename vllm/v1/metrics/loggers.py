@@ -10,6 +10,8 @@ tokens and end.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -18,6 +20,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.core import SchedulerStats
 
 # vLLM's buckets: latencies from milliseconds (a decode step on a GPU) to
 # minutes (a long request on a CPU).
@@ -60,6 +65,19 @@ class PrometheusStatLogger:
             labels,
             registry=reg,
         ).labels(model_name)
+        self._prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self._prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self._prefix_cache_seen = (0, 0)  # the engine's totals so far
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens",
             "Number of prefill tokens processed.",
@@ -101,12 +119,14 @@ class PrometheusStatLogger:
             registry=reg,
         ).labels(model_name)
 
-    def record_scheduler(
-        self, num_running: int, num_waiting: int, kv_cache_usage: float
-    ) -> None:
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
-        self._kv_usage.set(kv_cache_usage)
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        self._running.set(stats.num_running_reqs)
+        self._waiting.set(stats.num_waiting_reqs)
+        self._kv_usage.set(stats.kv_cache_usage)
+        queries, hits = self._prefix_cache_seen  # the engine counts from its start
+        self._prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
+        self._prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
+        self._prefix_cache_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
 
     def record_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)
