@@ -191,11 +191,9 @@ def main() -> None:
         model_dir = args.model or write_preset_config(args.preset, Path(tmp))
         vocab = load_hf_config(model_dir)["vocab_size"]
         gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(
-            0, vocab, (args.num_prompts, args.input_len), generator=gen
-        )
-        prompts[:, : args.prefix_len] = prompts[0, : args.prefix_len]
-        prompts = prompts.tolist()
+        ids = torch.randint(0, vocab, (args.num_prompts, args.input_len), generator=gen)
+        ids[:, : args.prefix_len] = ids[0, : args.prefix_len]
+        prompts = ids.tolist()
         runs = [("ours", len(prompts), run_ours(args, model_dir, prompts))]
         if args.hf_requests:
             hf = prompts[: args.hf_requests]
