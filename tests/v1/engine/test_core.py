@@ -268,11 +268,11 @@ GREEDY_6 = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
 
 
 def run_shared_prefixes(
-    engine: EngineCore, params: SamplingParams = GREEDY_6
+    engine: EngineCore, params: SamplingParams = GREEDY_6, first_alone: bool = True
 ) -> list[Request]:
-    """The first request alone, then the others together."""
+    """The first request alone (or not), then the others together."""
     first, *others = requests = shared_prefix_requests(params)
-    for batch in ([first], others):
+    for batch in ([first], others) if first_alone else (requests,):
         for request in batch:
             engine.add_request(request)
         while engine.has_unfinished_requests():
@@ -283,23 +283,26 @@ def run_shared_prefixes(
 def test_prefix_caching_changes_no_token(engine_factory):
     """Requests that find their prompt's first blocks in the cache skip
     them and get the tokens and log-probabilities of the engine without
-    the cache; so do requests resumed after preemption and steps scheduled
-    asynchronously."""
+    the cache, whether the blocks were computed in an earlier step or in
+    the same one; so do requests resumed after preemption and steps
+    scheduled asynchronously."""
     plain = run_shared_prefixes(engine_factory(enable_prefix_caching=False))
     assert all(r.num_cached_tokens == 0 for r in plain)
-    engine = engine_factory()
-    cached = run_shared_prefixes(engine)
-    # whole blocks, short of each prompt's last token (s3 is exactly a block)
-    assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
-    assert engine.stats().prefix_cache_hits == 80
-    assert engine.stats().prefix_cache_queries == sum(
-        len(r.prompt_token_ids) for r in cached
-    )
-    for want, got in zip(plain, cached, strict=True):
-        assert got.output_token_ids == want.output_token_ids
-        torch.testing.assert_close(
-            torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs)
+    for first_alone in (True, False):
+        engine = engine_factory()
+        cached = run_shared_prefixes(engine, first_alone=first_alone)
+        # whole blocks, short of each prompt's last token (s3 is one block)
+        assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
+        stats = engine.stats()
+        assert stats.prefix_cache_hits == 80
+        assert stats.prefix_cache_queries == sum(
+            len(r.prompt_token_ids) for r in cached
         )
+        for want, got in zip(plain, cached, strict=True):
+            assert got.output_token_ids == want.output_token_ids
+            torch.testing.assert_close(
+                torch.tensor(got.output_logprobs), torch.tensor(want.output_logprobs)
+            )
     for kwargs in ({"num_kv_blocks": 4}, {"async_scheduling": True}):
         engine = engine_factory(max_num_batched_tokens=32, **kwargs)
         requests = run_shared_prefixes(engine)
@@ -307,7 +310,8 @@ def test_prefix_caching_changes_no_token(engine_factory):
             r.output_token_ids for r in plain
         ], kwargs
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
-    assert sum(r.num_preemptions for r in requests) == 0  # async, many blocks
+        preempted = sum(r.num_preemptions for r in requests)
+        assert preempted > 0 if "num_kv_blocks" in kwargs else preempted == 0
 
 
 @pytest.mark.gpu
@@ -342,11 +346,12 @@ def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
 def test_prefix_caching_on_the_gpu_matches_the_engine_without_it(checkpoint):
     """bf16 on CUDA (graphs, async scheduling): the first token's
     log-probabilities over the whole vocabulary of requests that start after
-    cached blocks are those of the engine without the cache, within bf16
-    noise (other batch shapes round differently, so ties may move and only
-    the first token is compared)."""
-    first_tokens = []
-    for caching in (False, True):
+    cached blocks, computed in an earlier step or in the same one, are
+    those of the engine without the cache, within bf16 noise (other batch
+    shapes round differently, so ties may move and only the first token is
+    compared)."""
+    runs = {}
+    for caching, first_alone in ((False, True), (True, True), (True, False)):
         reset_workspace_manager()
         try:
             config = EngineConfig(
@@ -361,19 +366,22 @@ def test_prefix_caching_on_the_gpu_matches_the_engine_without_it(checkpoint):
             engine = EngineCore(config)
             vocab = engine.model.config.vocab_size
             params = SamplingParams(temperature=0, max_tokens=1, logprobs=vocab)
-            first_tokens.append(run_shared_prefixes(engine, params))
+            runs[caching, first_alone] = run_shared_prefixes(
+                engine, params, first_alone
+            )
         finally:
             reset_workspace_manager()
-    plain, cached = first_tokens
-    assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
-    for want, got in zip(plain, cached, strict=True):
-        ids = sorted(want.top_logprobs[0])
-        torch.testing.assert_close(
-            torch.tensor([got.top_logprobs[0][t] for t in ids]),
-            torch.tensor([want.top_logprobs[0][t] for t in ids]),
-            atol=0.1,
-            rtol=0,
-        )
+    plain = runs.pop((False, True))
+    for cached in runs.values():
+        assert [r.num_cached_tokens for r in cached] == [0, 32, 32, 0, 16, 0]
+        for want, got in zip(plain, cached, strict=True):
+            ids = sorted(want.top_logprobs[0])
+            torch.testing.assert_close(
+                torch.tensor([got.top_logprobs[0][t] for t in ids]),
+                torch.tensor([want.top_logprobs[0][t] for t in ids]),
+                atol=0.1,
+                rtol=0,
+            )
 
 
 def test_a_failed_engine_leaves_the_manager_locked(

@@ -11,8 +11,11 @@ recomputed from its prompt and the tokens it has produced, so nothing is lost
 and greedy output does not change.
 With prefix caching, a request joining takes its prompt's cached blocks
 and starts computing after them (a preempted one too: its own blocks may
-still be cached). The blocks a step computes are registered once the whole
-step is scheduled, so a request only ever reads blocks of earlier steps.
+still be cached), also blocks that another request computes in the same
+step: every layer stores the whole batch's keys and values before its
+attention reads any. A step split into micro-batches (dual-batch overlap)
+runs them on two streams, so there the blocks a step computes are
+registered once the whole step is scheduled.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    micro_batched: bool = False  # each step runs as two overlapping micro-batches
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -130,17 +134,19 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._scheduled(request, start, end))
             budget -= end - start
-        for chunk in chunks:
-            self.pool.cache_blocks(chunk.request, chunk.end)
+        if self.config.micro_batched:
+            for chunk in chunks:
+                self.pool.cache_blocks(chunk.request, chunk.end)
         return chunks
 
-    @staticmethod
-    def _scheduled(request: Request, start: int, end: int) -> ScheduledChunk:
+    def _scheduled(self, request: Request, start: int, end: int) -> ScheduledChunk:
         """The chunk, counted as computed (and its sample as pending) from
         now: the next schedule may come before the step's results do."""
         samples = end == request.num_tokens
         request.num_computed_tokens = end
         request.num_pending_tokens += samples
+        if not self.config.micro_batched:
+            self.pool.cache_blocks(request, end)
         return ScheduledChunk(request, start, end, samples)
 
     def finish_step(self, chunks: list[ScheduledChunk]) -> list[Request]:

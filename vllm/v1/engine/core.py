@@ -222,7 +222,10 @@ class EngineCore:
                 f"{positions}, got {self.max_model_len}"
             )
         scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            micro_batched=config.enable_dbo,
         )
         # Checked before loading; None without expert (tensor) parallelism.
         self.ep_group = self._expert_parallel_group()
