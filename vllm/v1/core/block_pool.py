@@ -30,11 +30,12 @@ import torch
 from vllm.v1.request import Request
 
 
-def hash_block_tokens(parent: bytes, token_ids: list[int]) -> bytes:
-    """The hash of a block holding ``token_ids`` after the prefix whose last
-    block hashed to ``parent`` (``b""`` for the first block)."""
-    tokens = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.sha256(parent + tokens).digest()
+def hash_block_tokens(parent: bytes, token_ids: np.ndarray) -> bytes:
+    """The hash of a block holding ``token_ids`` (int64) after the prefix
+    whose last block hashed to ``parent`` (``b""`` for the first block)."""
+    hasher = hashlib.sha256(parent)
+    hasher.update(token_ids.data)
+    return hasher.digest()
 
 
 class BlockPool:
@@ -64,35 +65,33 @@ class BlockPool:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks ``request_id`` needs to hold ``num_tokens`` tokens."""
-        have = len(self.block_table(request_id))
-        return max(0, -(-num_tokens // self.block_size) - have)
-
     def allocate(
         self, request_id: str, num_tokens: int, cached: list[int] | None = None
     ) -> list[int] | None:
         """Grow the request's table to hold ``num_tokens`` tokens, starting a
         new table with the ``cached`` blocks (from :meth:`cached_prefix`);
         None (and nothing taken) when the pool lacks the blocks."""
-        prefix = cached or []
-        if prefix and request_id in self._tables:
+        table, prefix = self._tables.get(request_id), cached or []
+        if prefix and table is not None:
             raise ValueError(
                 f"cached: request {request_id!r} already holds blocks; a cached "
                 "prefix only starts a table"
             )
-        needed = self.blocks_needed(request_id, num_tokens) - len(prefix)
-        # the prefix's unheld blocks leave the free list too
-        taken = sum(self._refs[block] == 0 for block in prefix)
-        if needed > len(self._free) - taken:
-            return None
-        table = self._tables.setdefault(request_id, [])
+        needed = -(-num_tokens // self.block_size) - len(table or prefix)
+        if needed > 0 or prefix:  # (a decode step mostly needs nothing)
+            # the prefix's unheld blocks leave the free list too
+            unheld = sum(self._refs[block] == 0 for block in prefix)
+            if needed > len(self._free) - unheld:
+                return None
+        if table is None:
+            table = self._tables[request_id] = []
         for block in prefix:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
         table += prefix
-        table.extend(self._pop_free() for _ in range(max(needed, 0)))
+        for _ in range(needed):
+            table.append(self._pop_free())
         return table
 
     def _pop_free(self) -> int:
@@ -118,13 +117,21 @@ class BlockPool:
     # -- prefix caching ------------------------------------------------------
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The hashes of the request's first ``num_blocks`` blocks (their
-        tokens known), kept on the request."""
-        hashes, size = request.block_hashes, self.block_size
+        """The request's block hashes (kept on it), at least its first
+        ``num_blocks`` (their tokens known)."""
+        hashes, size, prompt = (
+            request.block_hashes,
+            self.block_size,
+            request.prompt_array,
+        )
         for i in range(len(hashes), num_blocks):
-            tokens = request.token_ids(i * size, (i + 1) * size)
+            start, end = i * size, (i + 1) * size
+            if end <= len(prompt):
+                tokens = prompt[start:end]
+            else:
+                tokens = np.asarray(request.token_ids(start, end), dtype=np.int64)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else b"", tokens))
-        return hashes[:num_blocks]
+        return hashes
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding the request's longest registered prefix, short
@@ -134,7 +141,7 @@ class BlockPool:
             return []
         blocks = []
         limit = (request.num_known_tokens - 1) // self.block_size
-        for block_hash in self._block_hashes(request, limit):
+        for block_hash in self._block_hashes(request, limit)[:limit]:
             if (block := self._cached.get(block_hash)) is None:
                 break
             blocks.append(block)
@@ -148,15 +155,17 @@ class BlockPool:
         if not self.enable_caching:
             return
         request_id = request.request_id
-        table = self._tables[request_id]
         full = min(num_tokens, request.num_known_tokens) // self.block_size
         start = self._num_registered.get(request_id, 0)
-        hashes = self._block_hashes(request, full)
-        for block, block_hash in zip(table[start:full], hashes[start:], strict=True):
+        if full <= start:  # (a decode step, but one in block_size)
+            return
+        table, hashes = self._tables[request_id], self._block_hashes(request, full)
+        for i in range(start, full):
+            block, block_hash = table[i], hashes[i]
             if self._block_hash[block] is None and block_hash not in self._cached:
                 self._cached[block_hash] = block
                 self._block_hash[block] = block_hash
-        self._num_registered[request_id] = max(start, full)
+        self._num_registered[request_id] = full
 
     # -- cache slots ---------------------------------------------------------
 

@@ -57,8 +57,8 @@ class Scheduler:
         self.config, self.pool = config, pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Tokens of requests joining (first time or resumed) that the prefix
-        # cache was asked for, and those it held: vLLM's hit-rate counters.
+        # Prompt tokens of new requests that the prefix cache was asked for,
+        # and those it held (vLLM's hit-rate counters leave out resumed ones).
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
@@ -124,11 +124,11 @@ class Scheduler:
             end = min(request.num_tokens, start + budget)
             if self.pool.allocate(request.request_id, end, cached) is None:
                 break
-            if self.pool.enable_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += start
-            if request.num_cached_tokens is None:
+            if request.num_cached_tokens is None:  # not a resumed request
                 request.num_cached_tokens = start
+                if self.pool.enable_caching:
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += start
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -208,17 +208,19 @@ class LoopTimes:
 
     def log(self, stats: SchedulerStats, now: float) -> None:
         per_step = 1e3 / max(self.steps, 1)
+        queries = stats.prefix_cache_queries  # none: caching off, or no request yet
+        hit_rate = f"{100 * stats.prefix_cache_hits / queries:.1f}%" if queries else "-"
         logger.info(
             "engine loop: %d steps in %.1f s (step %.1f ms, %d decode-only at "
             "%.1f ms, %.0f tokens/step; events out %.1f ms, waiting %.1f s); "
             "%d running, %d waiting, KV cache %.0f%% used, prefix cache hit "
-            "rate %.1f%% since start",
+            "rate %s since start",
             self.steps, now - self.since, self.step_s * per_step,
             self.decode_steps, self.decode_s * 1e3 / max(self.decode_steps, 1),
             self.tokens / max(self.steps, 1), self.emit_s * per_step, self.wait_s,
             stats.num_running_reqs, stats.num_waiting_reqs,
             100 * stats.kv_cache_usage,
-            100 * stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+            hit_rate,
         )  # fmt: skip
 
 
