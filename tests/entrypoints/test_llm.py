@@ -1,6 +1,8 @@
 """``LLM.generate`` on the tiny checkpoint with its locally trained
 tokenizer (fp32, CPU)."""
 
+import json
+
 import pytest
 import torch
 
@@ -133,3 +135,28 @@ def test_async_scheduling_generates_the_same(llm, checkpoint):
             assert list(x) == list(y)  # fp32 sums of other batch shapes
             assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-5)
     assert not overlapped.engine.has_unfinished_requests()
+
+
+def test_the_generation_config_sets_defaults_and_ends_at_its_eos(
+    llm, checkpoint, tmp_path
+):
+    first, _ = llm
+    assert first.get_default_sampling_params() == SamplingParams()  # no such fields
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (full,) = first.generate([[1, 2, 3]], greedy)
+    tokens = full.outputs[0].token_ids
+    end = next(i for i in range(2, 12) if tokens[i] not in tokens[:i])
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0, "eos_token_id": [tokens[end]]})
+    )
+    configured = LLM(
+        checkpoint[0], generation_config=str(tmp_path), dtype="float32",
+        device="cpu", max_model_len=96,
+    )  # fmt: skip
+    assert configured.get_default_sampling_params().temperature == 0
+    (stopped,) = configured.generate([[1, 2, 3]])  # greedy, by the file
+    assert stopped.outputs[0].token_ids == tokens[: end + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    (ignored,) = configured.generate([[1, 2, 3]], greedy)
+    assert ignored.outputs[0].token_ids == tokens
+    assert greedy.stop_token_ids == []  # the caller's params stay as given

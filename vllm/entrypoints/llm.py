@@ -7,7 +7,9 @@ from the checkpoint directory when it has one; with more than one rank
 ``enable_expert_parallel``) a
 :class:`~vllm.v1.engine.dp_engine.DPEngineCore` whose ranks 1..N-1 run in
 worker processes (``llm.engine.shutdown()`` stops them; so does dropping the
-``LLM``). ``generate`` adds every
+``LLM``). ``generation_config`` (vLLM's: ``"auto"``, ``"vllm"`` or a
+directory) picks the sampling defaults and extra EOS ids of the
+checkpoint's ``generation_config.json``. ``generate`` adds every
 prompt as a request, steps the engine until all finish (continuous
 batching: requests join and leave every step) and returns one
 :class:`RequestOutput` per prompt, in order.
@@ -21,6 +23,7 @@ from typing import Any, cast
 
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.generation_config import load_generation_defaults
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.core import EngineConfig, EngineCore
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +34,11 @@ _engine_ids = itertools.count()
 
 
 class LLM:
-    def __init__(self, model: str | Path, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | Path, generation_config: str = "auto", **engine_args: Any
+    ) -> None:
+        # read first: a bad file fails before minutes of loading
+        self.generation_defaults = load_generation_defaults(model, generation_config)
         prefix = f"llm{next(_engine_ids)}."  # layer names unique per engine
         config = EngineConfig(model, prefix=prefix, **engine_args)
         self.engine = (
@@ -39,6 +46,11 @@ class LLM:
         )
         self.tokenizer = get_tokenizer(model)
         self._request_ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without sampling params: the checkpoint's
+        recommended values over SamplingParams' defaults."""
+        return self.generation_defaults.default_sampling_params()
 
     def _eos(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_token_id
@@ -66,7 +78,7 @@ class LLM:
             batch = [cast(str | list[int], prompts)]  # one prompt
         else:
             batch = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(
@@ -83,6 +95,7 @@ class LLM:
                             "the checkpoint directory; use stop_token_ids"
                         )
                     ids = self._prompt_ids(prompt, i)
+                    p = self.generation_defaults.with_eos(p)
                     request = Request(str(next(self._request_ids)), ids, p, self._eos())
                     self.engine.add_request(request)
                 except ValueError as e:

@@ -1,7 +1,8 @@
 """A second server, set up as the H200 serving benchmark runs: dummy
 weights and a checkpoint without tokenizer files, so it serves token ids
-only. The benchmark client runs against it; its last test ends it with
-SIGTERM while requests are in flight."""
+only; its sampling defaults come from a generation_config.json in another
+directory (``--generation-config DIR``). The benchmark client runs against
+it; its last test ends it with SIGTERM while requests are in flight."""
 
 import asyncio
 import json
@@ -30,8 +31,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteOpenAISer
     path = tmp_path_factory.mktemp("tiny_qwen3_moe_no_tokenizer")
     build_tiny_checkpoint(path, with_tokenizer=False)
     log = path / "server.log"
+    generation = tmp_path_factory.mktemp("generation_config")
+    (generation / "generation_config.json").write_text(json.dumps({"temperature": 0}))
     # uvicorn at info: the log shows the graceful drain
     args = [*SERVER_ARGS, "--load-format", "dummy", "--uvicorn-log-level", "info"]
+    args += ["--generation-config", str(generation)]
     with RemoteOpenAIServer(path, args, log) as remote:
         yield remote
 
@@ -50,6 +54,25 @@ def test_token_ids_stream_one_event_per_token(server):
     assert [c.choices[0].text for c in chunks] == [""] * 5
     tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
     assert len(tokens) == 5 and all(t.startswith("token_id:") for t in tokens)
+
+
+def test_unset_knobs_take_the_generation_config(server):
+    """temperature 0 from the file: requests that set none are greedy
+    whatever their seed; those that set one sample."""
+
+    def tokens(**body) -> list[str]:
+        completion = server.client().completions.create(
+            model=MODEL, prompt=[5, 6, 7], max_tokens=8, logprobs=0, **body
+        )
+        return completion.choices[0].logprobs.tokens
+
+    greedy = tokens(extra_body={"ignore_eos": True, "temperature": 0})
+    assert tokens(seed=1, extra_body={"ignore_eos": True}) == greedy
+    assert tokens(seed=2, extra_body={"ignore_eos": True}) == greedy
+    sampled = [
+        tokens(seed=s, temperature=1.0, extra_body={"ignore_eos": True}) for s in (1, 2)
+    ]
+    assert sampled[0] != sampled[1]
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,13 @@ def add_serve_parser(
         help="Run every step eagerly, no CUDA graphs (default: off).",
     )
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="Sampling defaults and extra EOS ids: 'auto' takes the model's "
+        "generation_config.json, 'vllm' none, a directory its file "
+        "(default: %(default)s).",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

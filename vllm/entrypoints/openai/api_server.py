@@ -223,6 +223,7 @@ def build_async_engine(
     serve``'s arguments (no tokenizer for a checkpoint directory without
     tokenizer files: token ids only); a data-parallel engine for
     ``--data-parallel-size`` > 1 (its workers stop with the engine)."""
+    from vllm.transformers_utils.generation_config import load_generation_defaults
     from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.v1.engine.core import EngineConfig
     from vllm.v1.engine.core_client import MPClient
@@ -234,6 +235,14 @@ def build_async_engine(
         path = Path(args.chat_template)
         is_file = len(args.chat_template) < 4096 and path.is_file()
         tokenizer.chat_template = path.read_text() if is_file else args.chat_template
+    defaults = load_generation_defaults(args.model, args.generation_config)
+    if defaults.sampling:
+        logger.warning(
+            "Requests that leave them unset sample with the model's "
+            "generation_config.json values %s (--generation-config vllm: "
+            "SamplingParams' defaults)",
+            defaults.sampling,
+        )
     config = EngineConfig(
         args.model,
         load_format=args.load_format,
@@ -253,7 +262,7 @@ def build_async_engine(
         all2all_backend=args.all2all_backend,
         enable_dbo=args.enable_dbo,
     )
-    return AsyncLLM(MPClient(config), tokenizer, stat_logger)
+    return AsyncLLM(MPClient(config), tokenizer, stat_logger, defaults)
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> Any:

@@ -214,7 +214,9 @@ class OpenAIServing:
             "frequency_penalty": request.frequency_penalty,
             "repetition_penalty": request.repetition_penalty,
         }
-        knobs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        # an unset knob: the checkpoint's recommended value, else SamplingParams'
+        knobs: dict[str, Any] = dict(self.engine.generation_defaults.sampling)
+        knobs |= {k: v for k, v in given.items() if v is not None}
         if request.logit_bias:
             # ASCII digits only: str.isdigit() takes "²", which int() refuses
             if not all(t.isascii() and t.isdigit() for t in request.logit_bias):
@@ -228,7 +230,7 @@ class OpenAIServing:
         try:
             return [
                 SamplingParams(
-                    **knobs,  # a missing (or null) knob keeps SamplingParams' default
+                    **knobs,
                     seed=None if seed is None else seed + i,
                     max_tokens=max_tokens,
                     stop=request.stop or [],

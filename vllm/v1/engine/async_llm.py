@@ -46,6 +46,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.generation_config import GenerationDefaults
 from vllm.v1.engine.core_client import (
     AbortRequests,
     Added,
@@ -157,9 +158,13 @@ class AsyncLLM:
         client: EngineCoreClient,
         tokenizer: Any,
         stat_logger: PrometheusStatLogger | None = None,
+        generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        # the checkpoint's recommendations (the server fills requests' unset
+        # knobs with them; its EOS ids end every request here)
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.stat_logger = stat_logger
         self._lock = threading.Lock()  # guards the three below
         self._groups: dict[int, _Group] = {}
@@ -200,8 +205,9 @@ class AsyncLLM:
         """Admit one request per (prompt, params) pair, all or none."""
         assert self._loop is not None, "AsyncLLM.start() first"
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        with_eos = self.generation_defaults.with_eos
         requests = [
-            Request(str(next(self._ids)), list(ids), p, eos)
+            Request(str(next(self._ids)), list(ids), with_eos(p), eos)
             for ids, p in zip(prompts, params, strict=True)
         ]
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.generation_config import (
+    GenerationDefaults,
+    load_generation_defaults,
+)
+
+QWEN3 = {  # Qwen3-30B-A3B's file, as published
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+    "transformers_version": "4.51.0",
+}
+
+
+def write(path, config) -> None:
+    (path / "generation_config.json").write_text(json.dumps(config))
+
+
+def test_the_sampling_fields_and_eos_ids_are_read(tmp_path):
+    write(tmp_path, QWEN3)
+    defaults = load_generation_defaults(tmp_path)
+    assert defaults.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert defaults.eos_token_ids == (151645, 151643)
+    params = defaults.default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p) == (0.6, 20, 0.95)
+    assert params.min_p == SamplingParams().min_p  # not in the file
+    write(tmp_path, {"eos_token_id": 7, "min_p": None})
+    assert load_generation_defaults(tmp_path) == GenerationDefaults({}, (7,))
+
+
+def test_vllm_ignores_the_file_and_a_directory_is_read(tmp_path):
+    write(tmp_path, QWEN3)
+    assert load_generation_defaults(tmp_path, "vllm") == GenerationDefaults()
+    other = tmp_path / "other"
+    other.mkdir()
+    write(other, {"temperature": 0.0})
+    assert load_generation_defaults(tmp_path, str(other)).sampling == {
+        "temperature": 0.0
+    }
+    assert load_generation_defaults(other / "absent") == GenerationDefaults()
+    with pytest.raises(ValueError, match="generation_config: expected 'auto', 'vllm'"):
+        load_generation_defaults(tmp_path, str(other / "absent"))
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"temperature": -1}, "temperature: expected >= 0"),
+        ({"top_p": "high"}, "top_p: expected a number, got 'high'"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id: expected token ids"),
+        ({"eos_token_id": -3}, "eos_token_id: expected token ids"),
+    ],
+)
+def test_bad_values_name_the_file_and_field(tmp_path, config, match):
+    write(tmp_path, config)
+    with pytest.raises(ValueError, match=match) as error:
+        load_generation_defaults(tmp_path)
+    assert "generation_config.json" in str(error.value)
+
+
+def test_the_extra_eos_ids_stop_unless_eos_is_ignored():
+    defaults = GenerationDefaults({}, (9, 4))
+    given = SamplingParams(stop_token_ids=[4, 5])
+    stopping = defaults.with_eos(given)
+    assert stopping.stop_token_ids == [4, 5, 9]
+    assert given.stop_token_ids == [4, 5]  # the caller's params are not changed
+    ignoring = SamplingParams(ignore_eos=True, stop_token_ids=[5])
+    assert defaults.with_eos(ignoring) is ignoring
+    plain = SamplingParams()
+    assert GenerationDefaults().with_eos(plain) is plain
