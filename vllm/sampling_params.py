@@ -24,7 +24,9 @@ class SamplingParams:
     does. A request stops after ``max_tokens``, at a token of
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
     in the output), or when its text ends in a string of ``stop`` (cut
-    off)."""
+    off); not before ``min_tokens`` (vLLM's): until then its stop tokens
+    cannot be sampled, and a stop string counts only if it starts after
+    the text of its first ``min_tokens`` tokens."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,6 +34,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: str | list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -48,6 +51,12 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, ">= 0 (0: all tokens)", self.top_k),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]", self.min_p),
             ("max_tokens", self.max_tokens >= 1, ">= 1", self.max_tokens),
+            (
+                "min_tokens",
+                0 <= self.min_tokens <= self.max_tokens,
+                f"in [0, max_tokens={self.max_tokens}]",
+                self.min_tokens,
+            ),
             (
                 "logprobs",
                 self.logprobs is None or self.logprobs >= 0,

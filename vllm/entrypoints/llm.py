@@ -117,7 +117,9 @@ class LLM:
         text of each new token; returns the requests' detokenizers."""
         detokenizers = {
             r.request_id: IncrementalDetokenizer(
-                self.tokenizer, r.sampling_params.stop_strings
+                self.tokenizer,
+                r.sampling_params.stop_strings,
+                r.sampling_params.min_tokens,
             )
             for r in requests
             if self.tokenizer is not None

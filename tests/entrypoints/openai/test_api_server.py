@@ -113,6 +113,12 @@ BAD_REQUESTS = [
     ),
     (
         "completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),
+    (
+        "completions",
         {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}},
         400,
         "logit_bias",
@@ -331,6 +337,22 @@ def request_done(now: dict[str, float], before: dict[str, float]) -> bool:
         > before[f"vllm:request_success_total/{r}"]
         for r in ("stop", "length")
     )
+
+
+def test_min_tokens_holds_back_a_stop_string_in_its_text(server):
+    client = server.client()
+
+    def complete(**extra) -> str:
+        body = {"ignore_eos": True, **extra}
+        completion = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=8, temperature=0, extra_body=body
+        )
+        return completion.choices[0].text
+
+    text = complete()
+    stop = text.lstrip()[:2]
+    assert len(stop) == 2 and complete(stop=[stop]) != text
+    assert complete(stop=[stop], min_tokens=8) == text
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache_and_gets_the_same_text(server):

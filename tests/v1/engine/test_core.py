@@ -2,6 +2,7 @@
 chunked prefill and preemption by recompute give every request the tokens
 it gets alone, and after the lock no step asks the workspace for memory."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -396,6 +397,48 @@ def test_a_failed_engine_leaves_the_manager_locked(
     with pytest.raises(ValueError, match="model: expected a checkpoint directory"):
         EngineCore(EngineConfig(tmp_path / "absent", device="cpu"))
     assert manager.is_locked()
+
+
+def test_min_tokens_holds_the_stop_tokens_back_sync_and_async(engine_factory):
+    """A stop token (of stop_token_ids, or the EOS) that greedy decoding
+    reaches early cannot be sampled before min_tokens: the request goes on
+    and may stop at it afterwards; async scheduling (its step in flight
+    counted) gives the same tokens."""
+    free = SamplingParams(temperature=0, max_tokens=10)
+    engine = engine_factory()
+    engine.add_request(alone := Request("alone", PROMPTS[5], free))
+    while engine.has_unfinished_requests():
+        engine.step()
+    reference = alone.output_token_ids
+    stop = reference[1] if reference[1] != reference[0] else reference[2]
+    first_stop = reference.index(stop)
+    runs = {}
+    for async_scheduling in (False, True):
+        engine = engine_factory(async_scheduling=async_scheduling)
+        params = {
+            "free": free,
+            "stops": dataclasses.replace(free, stop_token_ids=[stop]),
+            "min_stops": dataclasses.replace(free, stop_token_ids=[stop], min_tokens=5),
+            "min_eos": dataclasses.replace(free, min_tokens=5),
+        }
+        requests = {
+            name: Request(
+                name, PROMPTS[5], p, eos_token_id=stop if name == "min_eos" else None
+            )
+            for name, p in params.items()
+        }
+        for request in requests.values():
+            engine.add_request(request)
+        while engine.has_unfinished_requests():
+            engine.step()
+        runs[async_scheduling] = {n: r.output_token_ids for n, r in requests.items()}
+    assert runs[False] == runs[True]
+    got = runs[False]
+    assert got["free"] == reference and got["stops"] == reference[: first_stop + 1]
+    for name in ("min_stops", "min_eos"):
+        assert len(got[name]) >= 5 and stop not in got[name][:5], name
+        assert got[name][:first_stop] == reference[:first_stop]  # then it diverges
+    assert got["min_stops"] == got["min_eos"]
 
 
 def test_penalties_count_every_earlier_token_sync_and_async(engine_factory):

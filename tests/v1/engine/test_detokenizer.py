@@ -32,6 +32,20 @@ def test_stop_strings_straddling_pieces_cut_the_text(tokenizer):
     assert detok.flush() == ""
 
 
+def test_a_stop_string_counts_only_after_the_first_min_tokens(tokenizer):
+    ids = tokenizer("ab ab ab ab")["input_ids"]
+    first_ab = len(tokenizer("ab")["input_ids"])
+    early = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=0)
+    early.update(ids)
+    assert early.stopped and early.text == ""
+    late = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=first_ab)
+    for token in ids:
+        late.update([token])
+    assert late.stopped and late.text == "ab "  # the first "ab" is its min_tokens'
+    never = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=len(ids))
+    assert never.update(ids) + never.flush() == "ab ab ab ab" and not never.stopped
+
+
 def test_flush_keeps_bytes_that_never_became_a_character(tokenizer):
     ids = tokenizer("✓")["input_ids"]
     detok = IncrementalDetokenizer(tokenizer)

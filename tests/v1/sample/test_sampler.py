@@ -103,6 +103,8 @@ def test_samples_follow_the_filtered_distribution():
         ("logit_bias", {-1: 1.0}),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past max_tokens (16)
     ],
 )
 def test_bad_values_are_named(field, value):
@@ -256,13 +258,37 @@ def test_logit_bias_adds_to_its_tokens_before_the_penalties():
         adjusted_logits(logits[:1], [SamplingParams(logit_bias={20: 1.0})], None)
 
 
+def test_banned_tokens_are_never_sampled_and_logprobs_stay_raw():
+    torch.manual_seed(4)
+    logits = torch.randn(2, 40)
+    greedy, rand = SamplingParams(temperature=0, logprobs=0), SamplingParams()
+    top = logits.topk(5).indices.tolist()
+    banned = {0: top[0][:1], 1: top[1]}  # the argmax; the five most likely
+    (first,) = [t for t in sample_async(
+        logits[:1], [greedy], [None], banned={0: banned[0]}
+    ).tolist()]  # fmt: skip
+    assert first.token_id == top[0][1]  # the runner-up
+    reference = torch.log_softmax(logits[0], -1)[top[0][1]]
+    assert first.logprob == pytest.approx(float(reference))
+    rows = logits[1:].expand(200, -1)
+    gen = torch.Generator().manual_seed(0)
+    drawn = sample_async(
+        rows, [rand] * 200, [gen] * 200, banned={i: banned[1] for i in range(200)}
+    ).tolist()
+    assert not {t.token_id for t in drawn} & set(banned[1])
+    unbanned = sample_async(rows, [rand] * 200, [gen] * 200).tolist()
+    assert {t.token_id for t in unbanned} & set(banned[1])  # they would be drawn
+    with pytest.raises(ValueError, match=r"banned: expected token ids in \[0, 40\)"):
+        adjusted_logits(logits, [greedy, rand], None, {1: [40]})
+
+
 @pytest.mark.gpu
 def test_sampling_never_waits_for_the_stream():
     """Under async scheduling the host samples step N + 1 while the GPU runs
     step N: a copy from pageable memory or a read of a device value would
     wait for it. torch's sync debug mode makes any such wait an error; a
     batch with every feature (filters, a seed, penalties with a pending
-    token, a bias, logprobs) samples without one."""
+    token, a bias, logprobs, banned tokens) samples without one."""
     device = torch.device("cuda")
     logits = torch.randn(5, 300, device=device)
     params = [
@@ -287,7 +313,9 @@ def test_sampling_never_waits_for_the_stream():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch = sample_async(logits, params, generators, history=history)
+        batch = sample_async(
+            logits, params, generators, history=history, banned={1: [4, 5]}
+        )
     finally:
         torch.cuda.set_sync_debug_mode(0)
     tokens = batch.tolist()

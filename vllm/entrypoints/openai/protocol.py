@@ -6,7 +6,7 @@ ignored, as OpenAI's and vLLM's servers do. Value ranges that
 :class:`~vllm.sampling_params.SamplingParams` checks (temperature, top_p,
 ...) are left to it: one place states them. Besides OpenAI's fields, the
 sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` (and
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` (and
 ``add_generation_prompt`` for chat).
 """
 
@@ -78,6 +78,7 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias
     ignore_eos: bool = False
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     user: str | None = None
 

@@ -233,6 +233,7 @@ class OpenAIServing:
                     **knobs,
                     seed=None if seed is None else seed + i,
                     max_tokens=max_tokens,
+                    min_tokens=request.min_tokens,
                     stop=request.stop or [],
                     stop_token_ids=request.stop_token_ids or [],
                     ignore_eos=request.ignore_eos,

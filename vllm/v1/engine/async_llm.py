@@ -240,8 +240,9 @@ class AsyncLLM:
         if isinstance(event, Added):
             self._on_added(event)
         elif isinstance(event, EngineCoreOutputs):
-            self._publish(event.outputs)
+            # the step's state first: a client that saw a token finds it in /metrics
             self._record_scheduler(event)
+            self._publish(event.outputs)
         else:
             self._fail_all(event)
 
@@ -250,11 +251,13 @@ class AsyncLLM:
             group = self._groups.pop(added.group_id)
         if added.error is None:
             for index, request in enumerate(group.requests):
-                stop = request.sampling_params.stop_strings
+                params = request.sampling_params
                 detokenizer = (
                     None
                     if self.tokenizer is None
-                    else IncrementalDetokenizer(self.tokenizer, stop)
+                    else IncrementalDetokenizer(
+                        self.tokenizer, params.stop_strings, params.min_tokens
+                    )
                 )
                 self._tracked[request.request_id] = _Tracked(
                     request, index, group.queue, detokenizer, group.arrival

@@ -445,6 +445,7 @@ class EngineCore:
                 [c.request.generator for c in sampling],
                 self.generator,
                 history,
+                self._banned([c.request for c in sampling]),
             )
             done = None
             if self._bounded_wait:
@@ -455,6 +456,25 @@ class EngineCore:
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
         return _Launched(chunks, sampling, sampled, done)
+
+    @staticmethod
+    def _banned(requests: list[Request]) -> dict[int, list[int]]:
+        """By row: the stop tokens of requests that this step's token would
+        leave short of ``min_tokens`` (it is their output's token
+        ``len(outputs) + pending - 1``: the step in flight's is pending)."""
+        banned = {}
+        for row, r in enumerate(requests):
+            params = r.sampling_params
+            made = len(r.output_token_ids) + r.num_pending_tokens - 1
+            if made < params.min_tokens:
+                eos = (
+                    []
+                    if params.ignore_eos or r.eos_token_id is None
+                    else [r.eos_token_id]
+                )
+                if stops := [*params.stop_token_ids, *eos]:
+                    banned[row] = stops
+        return banned
 
     def _token_history(self, requests: list[Request]) -> TokenHistory:
         """What the requests' penalties count. Under async scheduling a

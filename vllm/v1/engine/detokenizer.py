@@ -12,6 +12,8 @@ vLLM's ``detokenize_incrementally`` and Hugging Face's ``TextStreamer`` do):
 context (SentencePiece decodes a word's leading space only after another
 token), and ``_read_offset:`` are the new ones. The window moves on once its
 text ends in a whole character, so a step costs O(window), not O(sequence).
+A stop string counts only if it starts after the text of the first
+``min_tokens`` tokens (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -22,9 +24,15 @@ _INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: list[str] | None = None, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop or []
+        self.min_tokens = min_tokens
+        # where a stop string may start in the text: None until there are
+        # min_tokens tokens, then the end of theirs
+        self._stop_from: int | None = None if min_tokens else 0
         self.token_ids: list[int] = []
         self.text = ""  # emitted so far
         self.stopped = False  # a stop string appeared; text ends before it
@@ -42,6 +50,8 @@ class IncrementalDetokenizer:
             self._complete += new_text
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.token_ids)
+        if self._stop_from is None and len(self.token_ids) >= self.min_tokens:
+            self._stop_from = len(self._decode(self.token_ids[: self.min_tokens]))
         hold = max((len(s) for s in self.stop), default=1) - 1
         return self._emit_until_stop(self._complete, hold)
 
@@ -57,8 +67,10 @@ class IncrementalDetokenizer:
         ``hold`` characters."""
         hold_back = max((len(s) for s in self.stop), default=1) - 1
         # A stop string may begin in text already emitted or held back.
-        start = max(0, len(self.text) - hold_back)
-        hits = [h for h in (text.find(s, start) for s in self.stop) if h >= 0]
+        hits = []
+        if self._stop_from is not None:
+            start = max(self._stop_from, len(self.text) - hold_back)
+            hits = [h for h in (text.find(s, start) for s in self.stop) if h >= 0]
         if hits:
             self.stopped = True
             return self._emit(text[: min(hits)])

@@ -2,7 +2,8 @@
 
 Each row's logit bias is added first; penalized rows then get their
 presence, frequency and repetition penalties from the tokens of their
-prompt and output so far (:class:`TokenHistory`). Greedy rows take the
+prompt and output so far (:class:`TokenHistory`), and the tokens a row may
+not sample yet (its stop tokens before ``min_tokens``) are masked. Greedy rows take the
 argmax. Random rows divide by their temperature, keep the ``top_k`` most
 likely tokens, the smallest set whose probability reaches ``top_p`` and
 those of at least ``min_p`` times the top probability, and draw from what
@@ -46,11 +47,15 @@ class TokenHistory:
 
 
 def adjusted_logits(
-    logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory | None
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    history: TokenHistory | None,
+    banned: dict[int, list[int]] | None = None,
 ) -> torch.Tensor:
     """fp32 ``logits`` [R, V] with each row's logit bias then penalties
-    applied (vLLM's order), for the batch at once (a copy: the raw logits
-    give logprobs); ``history`` is needed where a row has penalties."""
+    applied (vLLM's order) and its ``banned`` tokens at -inf, for the batch
+    at once (a copy: the raw logits give logprobs); ``history`` is needed
+    where a row has penalties."""
     vocab, device = logits.shape[1], logits.device
     out = logits.to(torch.float32, copy=True)
     biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
@@ -68,6 +73,11 @@ def adjusted_logits(
         if history is None:
             raise ValueError("history: expected the rows' tokens for their penalties")
         _apply_penalties(out, params, history)
+    if banned:
+        cells = [row * vocab + token for row, ids in banned.items() for token in ids]
+        if any(not 0 <= token < vocab for ids in banned.values() for token in ids):
+            raise ValueError(f"banned: expected token ids in [0, {vocab})")
+        out.view(-1).index_fill_(0, to_device(cells, torch.long, device), -torch.inf)
     return out
 
 
@@ -210,19 +220,21 @@ def sample_async(
     generators: list[torch.Generator | None],
     generator: torch.Generator | None = None,
     history: TokenHistory | None = None,
+    banned: dict[int, list[int]] | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [R, V], left on the device with its
     host copy under way; ``generators[i]`` draws row i's randomness (None:
     ``generator``'s, the engine's; None: the global generator's);
-    ``history``: the rows' tokens, needed when a row has penalties."""
+    ``history``: the rows' tokens, needed when a row has penalties;
+    ``banned``: tokens rows may not sample (by row)."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
             f"got {len(params)}/{len(generators)}"
         )
     scores = logits
-    if any(p.penalized or p.logit_bias for p in params):
-        scores = adjusted_logits(logits, params, history)
+    if banned or any(p.penalized or p.logit_bias for p in params):
+        scores = adjusted_logits(logits, params, history, banned)
     tokens = scores.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
