@@ -49,6 +49,38 @@ def test_content_parts_read_as_joined_text(client):
     assert by_parts.usage == by_text.usage
 
 
+def test_template_options_shape_the_prompt(client, server):
+    def tokenize(**body) -> dict:
+        r = httpx.post(server.url_for("tokenize"), json={"messages": MESSAGES, **body})
+        return r.json()
+
+    def text(tokens: list[int]) -> str:
+        r = httpx.post(server.url_for("detokenize"), json={"tokens": tokens})
+        return r.json()["prompt"]
+
+    thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain, off = tokenize(), tokenize(**thinking_off)
+    assert text(off["tokens"]) == text(plain["tokens"]) + "<think>\n\n</think>\n\n"
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=thinking_off
+    )
+    assert reply.usage.prompt_tokens == off["count"]
+    partial = [*MESSAGES, {"role": "assistant", "content": "import json\nwith"}]
+    opened = tokenize(
+        messages=partial, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text(opened["tokens"]).endswith("assistant\nimport json\nwith")
+    for body, param in (
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(
+                model=MODEL, messages=partial, max_tokens=2, extra_body=body
+            )
+        assert error.value.body["param"] == param
+
+
 @pytest.mark.parametrize("top_logprobs", [None, 2])
 def test_streamed_reply_is_the_non_streamed_reply(client, top_logprobs):
     kwargs = dict(

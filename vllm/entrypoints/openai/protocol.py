@@ -6,14 +6,14 @@ ignored, as OpenAI's and vLLM's servers do. Value ranges that
 :class:`~vllm.sampling_params.SamplingParams` checks (temperature, top_p,
 ...) are left to it: one place states them. Besides OpenAI's fields, the
 sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` (and
-``add_generation_prompt`` for chat).
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``
+(and :class:`ChatTemplateOptions` for chat).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -138,13 +138,23 @@ class ChatCompletionMessageParam(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(RequestModel):
+    """How the messages become the prompt (vLLM's fields): the generation
+    prompt after them, or the last (assistant) message left open to be
+    continued; ``chat_template_kwargs`` are the template's own variables
+    (Qwen3: ``{"enable_thinking": false}``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -206,7 +216,7 @@ class ChatCompletionStreamResponse(BaseModel):
 # -- tokenizer -----------------------------------------------------------------
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(ChatTemplateOptions):
     """Either ``prompt`` (text) or ``messages`` (rendered with the chat
     template), as vLLM's ``/tokenize``."""
 
@@ -214,7 +224,6 @@ class TokenizeRequest(RequestModel):
     prompt: str | None = None
     messages: list[ChatCompletionMessageParam] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class TokenizeResponse(BaseModel):

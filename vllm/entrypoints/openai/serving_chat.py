@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(
                 "top_logprobs: only allowed with logprobs=true", param="top_logprobs"
             )
-        prompt = self.chat_prompt_ids(request.messages, request.add_generation_prompt)
+        prompt = self.chat_prompt_ids(request.messages, request)
         renames = {"prompt": "messages"}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -33,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from vllm.entrypoints.openai.errors import OpenAIError, from_value_error
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
+    ChatTemplateOptions,
     SamplingRequest,
     StreamOptions,
     UsageInfo,
@@ -160,15 +162,32 @@ class OpenAIServing:
         )
 
     def chat_prompt_ids(
-        self, messages: list[ChatCompletionMessageParam], add_generation_prompt: bool
+        self, messages: list[ChatCompletionMessageParam], options: ChatTemplateOptions
     ) -> list[int]:
         tokenizer = self.require_tokenizer("messages")
+        if options.continue_final_message and options.add_generation_prompt:
+            raise OpenAIError(
+                "continue_final_message: needs add_generation_prompt=false (the "
+                "last message is continued, no new one starts)",
+                param="continue_final_message",
+            )
+        variables = options.chat_template_kwargs or {}
+        render = inspect.signature(tokenizer.apply_chat_template).parameters
+        named = {n for n, p in render.items() if p.kind is not p.VAR_KEYWORD}
+        if clash := sorted(named & variables.keys()):
+            raise OpenAIError(
+                f"chat_template_kwargs: {clash} are the renderer's own arguments; "
+                "give the template's variables",
+                param="chat_template_kwargs",
+            )
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
                 tokenize=False,
+                **variables,
             )
         except (jinja2.TemplateError, ValueError) as e:  # no or a broken template
             raise OpenAIError(

@@ -24,7 +24,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("prompt: give either prompt or messages", param="prompt")
         if request.messages is not None:
-            ids = self.chat_prompt_ids(request.messages, request.add_generation_prompt)
+            ids = self.chat_prompt_ids(request.messages, request)
         else:
             assert request.prompt is not None
             ids = self.text_prompt_ids(request.prompt, request.add_special_tokens)
