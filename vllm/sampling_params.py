@@ -24,9 +24,11 @@ class SamplingParams:
     does. A request stops after ``max_tokens``, at a token of
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
     in the output), or when its text ends in a string of ``stop`` (cut
-    off); not before ``min_tokens`` (vLLM's): until then its stop tokens
-    cannot be sampled, and a stop string counts only if it starts after
-    the text of its first ``min_tokens`` tokens."""
+    off, unless ``include_stop_str_in_output``); not before ``min_tokens``
+    (vLLM's): until then its stop tokens cannot be sampled, and a stop
+    string counts only if it starts after the text of its first
+    ``min_tokens`` tokens. The text leaves special tokens out unless
+    ``skip_special_tokens`` is False."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -38,6 +40,8 @@ class SamplingParams:
     stop: str | list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

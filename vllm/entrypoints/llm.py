@@ -116,10 +116,8 @@ class LLM:
         """Step the engine until it is idle, checking stop strings on the
         text of each new token; returns the requests' detokenizers."""
         detokenizers = {
-            r.request_id: IncrementalDetokenizer(
-                self.tokenizer,
-                r.sampling_params.stop_strings,
-                r.sampling_params.min_tokens,
+            r.request_id: IncrementalDetokenizer.for_params(
+                self.tokenizer, r.sampling_params
             )
             for r in requests
             if self.tokenizer is not None

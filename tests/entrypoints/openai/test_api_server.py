@@ -339,7 +339,7 @@ def request_done(now: dict[str, float], before: dict[str, float]) -> bool:
     )
 
 
-def test_min_tokens_holds_back_a_stop_string_in_its_text(server):
+def test_min_tokens_and_include_stop_str_in_output_with_a_stop_string(server):
     client = server.client()
 
     def complete(**extra) -> str:
@@ -353,6 +353,9 @@ def test_min_tokens_holds_back_a_stop_string_in_its_text(server):
     stop = text.lstrip()[:2]
     assert len(stop) == 2 and complete(stop=[stop]) != text
     assert complete(stop=[stop], min_tokens=8) == text
+    cut = complete(stop=[stop])
+    kept = complete(stop=[stop], include_stop_str_in_output=True)
+    assert kept == cut + stop and text.startswith(kept)
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache_and_gets_the_same_text(server):

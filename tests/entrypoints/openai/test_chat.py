@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL
-from tests.entrypoints.openai.utils import RemoteOpenAIServer
+from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer
 
 MESSAGES = [
     {"role": "system", "content": "You write Python."},
@@ -74,11 +74,12 @@ def test_template_options_shape_the_prompt(client, server):
         ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ):
-        with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(
-                model=MODEL, messages=partial, max_tokens=2, extra_body=body
-            )
-        assert error.value.body["param"] == param
+        r = httpx.post(
+            server.url_for("v1", "chat/completions"),
+            json={"model": MODEL, "messages": partial, "max_tokens": 2, **body},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize("top_logprobs", [None, 2])

@@ -46,6 +46,17 @@ def test_a_stop_string_counts_only_after_the_first_min_tokens(tokenizer):
     assert never.update(ids) + never.flush() == "ab ab ab ab" and not never.stopped
 
 
+def test_the_stop_string_kept_and_special_tokens_shown_when_asked(tokenizer):
+    ids = tokenizer(TEXT)["input_ids"]
+    kept = IncrementalDetokenizer(tokenizer, stop=["wörld", "llo"], include_stop=True)
+    assert "".join(kept.update([t]) for t in ids) == "héllo" and kept.stopped
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for skip, want in ((True, "héllo"), (False, "<|im_end|>héllo")):
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        text = detok.update([special, *tokenizer("héllo")["input_ids"]])
+        assert text + detok.flush() == want
+
+
 def test_flush_keeps_bytes_that_never_became_a_character(tokenizer):
     ids = tokenizer("✓")["input_ids"]
     detok = IncrementalDetokenizer(tokenizer)

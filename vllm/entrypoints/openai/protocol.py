@@ -6,8 +6,9 @@ ignored, as OpenAI's and vLLM's servers do. Value ranges that
 :class:`~vllm.sampling_params.SamplingParams` checks (temperature, top_p,
 ...) are left to it: one place states them. Besides OpenAI's fields, the
 sampling knobs vLLM adds are accepted: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``
-(and :class:`ChatTemplateOptions` for chat).
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens`` (and
+:class:`ChatTemplateOptions` for chat).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     user: str | None = None

@@ -256,6 +256,8 @@ class OpenAIServing:
                     stop=request.stop or [],
                     stop_token_ids=request.stop_token_ids or [],
                     ignore_eos=request.ignore_eos,
+                    include_stop_str_in_output=request.include_stop_str_in_output,
+                    skip_special_tokens=request.skip_special_tokens,
                     logprobs=logprobs,
                 )
                 for i in range(request.n)

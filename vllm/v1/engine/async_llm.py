@@ -251,12 +251,11 @@ class AsyncLLM:
             group = self._groups.pop(added.group_id)
         if added.error is None:
             for index, request in enumerate(group.requests):
-                params = request.sampling_params
                 detokenizer = (
                     None
                     if self.tokenizer is None
-                    else IncrementalDetokenizer(
-                        self.tokenizer, params.stop_strings, params.min_tokens
+                    else IncrementalDetokenizer.for_params(
+                        self.tokenizer, request.sampling_params
                     )
                 )
                 self._tracked[request.request_id] = _Tracked(

@@ -13,23 +13,34 @@ context (SentencePiece decodes a word's leading space only after another
 token), and ``_read_offset:`` are the new ones. The window moves on once its
 text ends in a whole character, so a step costs O(window), not O(sequence).
 A stop string counts only if it starts after the text of the first
-``min_tokens`` tokens (vLLM's rule).
+``min_tokens`` tokens (vLLM's rule); the text ends before it, or after it
+with ``include_stop_str_in_output``. Special tokens are decoded as text
+unless ``skip_special_tokens`` (the default).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm.sampling_params import SamplingParams
+
 _INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, stop: list[str] | None = None, min_tokens: int = 0
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        min_tokens: int = 0,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop or []
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         # where a stop string may start in the text: None until there are
         # min_tokens tokens, then the end of theirs
         self._stop_from: int | None = None if min_tokens else 0
@@ -39,6 +50,18 @@ class IncrementalDetokenizer:
         self._complete = ""  # decoded text ending in a whole character
         self._prefix_offset = 0
         self._read_offset = 0
+
+    @classmethod
+    def for_params(
+        cls, tokenizer: Any, params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        return cls(
+            tokenizer,
+            params.stop_strings,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
 
     def update(self, token_ids: list[int]) -> str:
         """Add tokens; returns the new text (possibly empty)."""
@@ -70,10 +93,14 @@ class IncrementalDetokenizer:
         hits = []
         if self._stop_from is not None:
             start = max(self._stop_from, len(self.text) - hold_back)
-            hits = [h for h in (text.find(s, start) for s in self.stop) if h >= 0]
+            found = ((text.find(s, start), s) for s in self.stop)
+            hits = [
+                (at, len(s) if self.include_stop else 0) for at, s in found if at >= 0
+            ]
         if hits:
             self.stopped = True
-            return self._emit(text[: min(hits)])
+            at, kept = min(hits)
+            return self._emit(text[: at + kept])
         return self._emit(text[: len(text) - hold])
 
     def _window_text(self) -> str:
@@ -84,7 +111,9 @@ class IncrementalDetokenizer:
         return self._decode(ids[self._prefix_offset :])[len(context) :]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens
+        )
 
     def _emit(self, text: str) -> str:
         delta = text[len(self.text) :]
