@@ -25,8 +25,8 @@ class SamplingParams:
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
     in the output), or when its text ends in a string of ``stop`` (cut
     off, unless ``include_stop_str_in_output``); not before ``min_tokens``
-    (vLLM's): until then its stop tokens cannot be sampled, and a stop
-    string counts only if it starts after the text of its first
+    (vLLM's): until then its stop tokens and EOS cannot be sampled, and a
+    stop string counts only if it ends past the text of its first
     ``min_tokens`` tokens. The text leaves special tokens out unless
     ``skip_special_tokens`` is False."""
 

@@ -95,7 +95,7 @@ class LLM:
                             "the checkpoint directory; use stop_token_ids"
                         )
                     ids = self._prompt_ids(prompt, i)
-                    p = self.generation_defaults.with_eos(p)
+                    p = self.generation_defaults.apply(p)
                     request = Request(str(next(self._request_ids)), ids, p, self._eos())
                     self.engine.add_request(request)
                 except ValueError as e:

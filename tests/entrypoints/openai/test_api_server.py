@@ -119,6 +119,12 @@ BAD_REQUESTS = [
     ),
     (
         "completions",
+        {"model": MODEL, "prompt": "x", "min_tokens": 2, "stop_token_ids": [10**6]},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "completions",
         {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}},
         400,
         "logit_bias",

@@ -32,7 +32,7 @@ def test_stop_strings_straddling_pieces_cut_the_text(tokenizer):
     assert detok.flush() == ""
 
 
-def test_a_stop_string_counts_only_after_the_first_min_tokens(tokenizer):
+def test_a_stop_string_counts_only_past_the_first_min_tokens(tokenizer):
     ids = tokenizer("ab ab ab ab")["input_ids"]
     first_ab = len(tokenizer("ab")["input_ids"])
     early = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=0)
@@ -42,6 +42,10 @@ def test_a_stop_string_counts_only_after_the_first_min_tokens(tokenizer):
     for token in ids:
         late.update([token])
     assert late.stopped and late.text == "ab "  # the first "ab" is its min_tokens'
+    # one that starts in that text and ends past it counts (vLLM's rule)
+    straddling = IncrementalDetokenizer(tokenizer, stop=["b a"], min_tokens=first_ab)
+    straddling.update(ids)
+    assert straddling.stopped and straddling.text == "a"
     never = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=len(ids))
     assert never.update(ids) + never.flush() == "ab ab ab ab" and not never.stopped
 

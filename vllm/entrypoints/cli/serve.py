@@ -109,9 +109,9 @@ def add_serve_parser(
     parser.add_argument(
         "--generation-config",
         default="auto",
-        help="Sampling defaults and extra EOS ids: 'auto' takes the model's "
-        "generation_config.json, 'vllm' none, a directory its file "
-        "(default: %(default)s).",
+        help="Sampling defaults, a max_tokens cap and extra EOS ids: 'auto' "
+        "takes the model's generation_config.json, 'vllm' only its EOS ids, a "
+        "directory its file (default: %(default)s).",
     )
     parser.add_argument(
         "--enable-prefix-caching",

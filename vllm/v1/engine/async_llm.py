@@ -163,7 +163,8 @@ class AsyncLLM:
         self.client = client
         self.tokenizer = tokenizer
         # the checkpoint's recommendations (the server fills requests' unset
-        # knobs with them; its EOS ids end every request here)
+        # knobs with them; its EOS ids and max_tokens cap apply to every
+        # request here)
         self.generation_defaults = generation_defaults or GenerationDefaults()
         self.stat_logger = stat_logger
         self._lock = threading.Lock()  # guards the three below
@@ -205,9 +206,9 @@ class AsyncLLM:
         """Admit one request per (prompt, params) pair, all or none."""
         assert self._loop is not None, "AsyncLLM.start() first"
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        with_eos = self.generation_defaults.with_eos
+        with_defaults = self.generation_defaults.apply
         requests = [
-            Request(str(next(self._ids)), list(ids), with_eos(p), eos)
+            Request(str(next(self._ids)), list(ids), with_defaults(p), eos)
             for ids, p in zip(prompts, params, strict=True)
         ]
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()

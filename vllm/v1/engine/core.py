@@ -385,6 +385,11 @@ class EngineCore:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
         if params.logit_bias and (largest := max(params.logit_bias)) >= vocab:
             raise ValueError(f"logit_bias: expected token ids < {vocab}, got {largest}")
+        stops = params.stop_token_ids
+        if stops and not 0 <= min(stops) <= max(stops) < vocab:
+            raise ValueError(
+                f"stop_token_ids: expected token ids in [0, {vocab}), got {stops}"
+            )
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt: {len(request.prompt_token_ids)} tokens + max_tokens="
@@ -459,19 +464,16 @@ class EngineCore:
 
     @staticmethod
     def _banned(requests: list[Request]) -> dict[int, list[int]]:
-        """By row: the stop tokens of requests that this step's token would
-        leave short of ``min_tokens`` (it is their output's token
-        ``len(outputs) + pending - 1``: the step in flight's is pending)."""
+        """By row: the stop tokens and EOS (even with ``ignore_eos``, as
+        vLLM) of requests that this step's token would leave short of
+        ``min_tokens`` (it is their output's token ``len(outputs) + pending
+        - 1``: the step in flight's is pending)."""
         banned = {}
         for row, r in enumerate(requests):
             params = r.sampling_params
             made = len(r.output_token_ids) + r.num_pending_tokens - 1
             if made < params.min_tokens:
-                eos = (
-                    []
-                    if params.ignore_eos or r.eos_token_id is None
-                    else [r.eos_token_id]
-                )
+                eos = [] if r.eos_token_id is None else [r.eos_token_id]
                 if stops := [*params.stop_token_ids, *eos]:
                     banned[row] = stops
         return banned

@@ -12,7 +12,7 @@ vLLM's ``detokenize_incrementally`` and Hugging Face's ``TextStreamer`` do):
 context (SentencePiece decodes a word's leading space only after another
 token), and ``_read_offset:`` are the new ones. The window moves on once its
 text ends in a whole character, so a step costs O(window), not O(sequence).
-A stop string counts only if it starts after the text of the first
+A stop string counts only if it ends past the text of the first
 ``min_tokens`` tokens (vLLM's rule); the text ends before it, or after it
 with ``include_stop_str_in_output``. Special tokens are decoded as text
 unless ``skip_special_tokens`` (the default).
@@ -92,8 +92,12 @@ class IncrementalDetokenizer:
         # A stop string may begin in text already emitted or held back.
         hits = []
         if self._stop_from is not None:
-            start = max(self._stop_from, len(self.text) - hold_back)
-            found = ((text.find(s, start), s) for s in self.stop)
+            # one must end past the first min_tokens tokens' text (vLLM's rule)
+            emitted = len(self.text) - hold_back
+            found = (
+                (text.find(s, max(self._stop_from - len(s) + 1, emitted, 0)), s)
+                for s in self.stop
+            )
             hits = [
                 (at, len(s) if self.include_stop else 0) for at, s in found if at >= 0
             ]
