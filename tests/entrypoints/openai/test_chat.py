@@ -73,6 +73,7 @@ def test_template_options_shape_the_prompt(client, server):
     for body, param in (
         ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ):
         r = httpx.post(
             server.url_for("v1", "chat/completions"),

@@ -173,7 +173,9 @@ class OpenAIServing:
             )
         variables = options.chat_template_kwargs or {}
         render = inspect.signature(tokenizer.apply_chat_template).parameters
+        # the renderer's arguments, and the messages it hands the template
         named = {n for n, p in render.items() if p.kind is not p.VAR_KEYWORD}
+        named.add("messages")
         if clash := sorted(named & variables.keys()):
             raise OpenAIError(
                 f"chat_template_kwargs: {clash} are the renderer's own arguments; "
@@ -189,7 +191,8 @@ class OpenAIServing:
                 tokenize=False,
                 **variables,
             )
-        except (jinja2.TemplateError, ValueError) as e:  # no or a broken template
+        # no template, a broken one, or one that trips on a variable's type
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise OpenAIError(
                 f"messages: the chat template failed: {e}", param="messages"
             ) from None
