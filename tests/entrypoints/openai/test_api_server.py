@@ -4,6 +4,7 @@ concurrent streams, and a vanished client's KV blocks freed."""
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 
@@ -182,12 +183,37 @@ BAD_REQUESTS = [
         400,
         "top_logprobs",
     ),
+    # JSON may carry lone surrogates (no Unicode text) and digits past int()'s
+    ("completions", {"model": MODEL, "prompt": ["ok", "\udfff"]}, 400, "prompt"),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800"}]},
+        400,
+        "messages",
+    ),
+    ("completions", {"model": "\ud800", "prompt": "x"}, 404, "model"),
+    (
+        "completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"9" * 4301: 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "chat/completions",
+        {"model": MODEL, "messages": CHAT, "chat_template_kwargs": {"self": 1}},
+        400,
+        "chat_template_kwargs",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("route", "body", "status", "param"), BAD_REQUESTS)
 def test_bad_request_names_its_field(server, route, body, status, param):
-    r = httpx.post(server.url_for("v1", route), json=body, headers=AUTH)
+    r = httpx.post(
+        server.url_for("v1", route),
+        content=json.dumps(body),  # ASCII: lone surrogates escaped
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -203,6 +229,19 @@ def test_malformed_json_is_a_400(server):
     )
     assert r.status_code == 400
     assert "malformed JSON" in r.json()["error"]["message"]
+    # FastAPI's own refusals, in OpenAI's shape too
+    for method, path, content, status in (
+        ("POST", "v1/completions", b'{"prompt": "\xff\xfe"}', 400),  # not UTF-8
+        ("POST", "v1/nope", b"{}", 404),
+        ("GET", "v1/completions", b"", 405),
+    ):
+        r = httpx.request(
+            method,
+            server.url_for(*path.split("/")),
+            content=content,
+            headers={**AUTH, "Content-Type": "application/json"},
+        )
+        assert r.status_code == status and set(r.json()["error"]) >= {"message", "type"}
 
 
 def test_the_client_sees_openai_errors(server):
@@ -226,7 +265,11 @@ def test_bad_requests_do_not_disturb_a_stream_in_flight(server):
         )
         async with httpx.AsyncClient(headers=AUTH) as http:
             bad = [
-                http.post(server.url_for("v1", route), json=body)
+                http.post(
+                    server.url_for("v1", route),
+                    content=json.dumps(body),
+                    headers={"Content-Type": "application/json"},
+                )
                 for route, body, _, _ in BAD_REQUESTS
             ]
             statuses = [r.status_code for r in await asyncio.gather(*bad)]

@@ -134,3 +134,21 @@ def test_a_preempted_request_resumes_from_what_is_left_of_its_blocks():
     assert new.num_cached_tokens == 0  # counted when it first joined
     # the counters leave resumed requests out, as vLLM's
     assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (16, 0)
+
+
+def test_finishing_many_at_once_leaves_the_others_in_order():
+    pool = BlockPool(16, 4)
+    scheduler = Scheduler(SchedulerConfig(2, 64, 64), pool)
+    requests = [request(f"r{i}", 3) for i in range(8)]
+    for r in requests:
+        scheduler.add_request(r)
+    assert step(scheduler) == [("r0", 0, 3), ("r1", 0, 3)]  # max_num_seqs 2
+    scheduler.finish_requests(["r1", "r3", "r5", "unknown", "r3"], "abort")
+    assert [r.request_id for r in scheduler.running] == ["r0"]
+    assert [r.request_id for r in scheduler.waiting] == ["r2", "r4", "r6", "r7"]
+    assert [requests[i].finish_reason for i in (1, 3, 5)] == ["abort"] * 3
+    assert not scheduler.has_request("r3") and scheduler.has_request("r4")
+    assert pool.num_free_blocks == 15  # r0's block; r1's freed
+    scheduler.finish_requests([r.request_id for r in requests], "abort")
+    assert not scheduler.has_unfinished() and pool.num_free_blocks == 16
+    assert step(scheduler) == []

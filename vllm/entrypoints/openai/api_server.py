@@ -38,6 +38,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm.entrypoints.openai.errors import OpenAIError
 from vllm.entrypoints.openai.protocol import (
@@ -191,7 +192,15 @@ def build_app(
     async def engine_dead(_: Request, exc: Exception) -> Response:
         return OpenAIError(str(exc), status=HTTPStatus.SERVICE_UNAVAILABLE).response()
 
+    async def http_error(_: Request, exc: Exception) -> Response:
+        # FastAPI's own 4xx (an unparsable body, an unknown route or method)
+        error = cast(StarletteHTTPException, exc)
+        return OpenAIError(
+            str(error.detail), status=HTTPStatus(error.status_code)
+        ).response()
+
     app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(EngineDeadError, engine_dead)
 

@@ -10,10 +10,11 @@ reads the field from that prefix.
 
 from __future__ import annotations
 
+import json
 import re
 from http import HTTPStatus
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -43,8 +44,11 @@ class OpenAIError(Exception):
         )
         return ErrorResponse(error=info)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII JSON: a message may quote the request's text, and a lone
+        # surrogate there (valid in JSON, not in UTF-8) stays escaped
+        body = json.dumps(self.body().model_dump())
+        return Response(body, status_code=self.status, media_type="application/json")
 
 
 def from_value_error(

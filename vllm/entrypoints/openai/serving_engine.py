@@ -157,6 +157,14 @@ class OpenAIServing:
         self, prompt: str, add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[int]:
         tokenizer = self.require_tokenizer(param)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON may carry lone surrogates
+            raise OpenAIError(
+                f"{param}: expected Unicode text, got a lone surrogate "
+                f"{prompt[e.start]!a} at character {e.start}",
+                param=param,
+            ) from None
         return list(
             tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         )
@@ -172,7 +180,7 @@ class OpenAIServing:
                 param="continue_final_message",
             )
         variables = options.chat_template_kwargs or {}
-        render = inspect.signature(tokenizer.apply_chat_template).parameters
+        render = inspect.signature(type(tokenizer).apply_chat_template).parameters
         # the renderer's arguments, and the messages it hands the template
         named = {n for n, p in render.items() if p.kind is not p.VAR_KEYWORD}
         named.add("messages")
@@ -240,8 +248,11 @@ class OpenAIServing:
         knobs: dict[str, Any] = dict(self.engine.generation_defaults.sampling)
         knobs |= {k: v for k, v in given.items() if v is not None}
         if request.logit_bias:
-            # ASCII digits only: str.isdigit() takes "²", which int() refuses
-            if not all(t.isascii() and t.isdigit() for t in request.logit_bias):
+            # ASCII digits only: str.isdigit() takes "²", which int() refuses;
+            # and short: int() refuses 4300 digits (the engine checks the range)
+            if not all(
+                t.isascii() and t.isdigit() and len(t) <= 18 for t in request.logit_bias
+            ):
                 raise OpenAIError(
                     "logit_bias: expected token ids (strings of digits) as keys, "
                     f"got {list(request.logit_bias)}",

@@ -21,6 +21,7 @@ registered once the whole step is scheduled.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm.v1.core.block_pool import BlockPool
@@ -57,25 +58,40 @@ class Scheduler:
         self.config, self.pool = config, pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._queued: dict[str, Request] = {}  # waiting or running, by id
         # Prompt tokens of new requests that the prefix cache was asked for,
         # and those it held (vLLM's hit-rate counters leave out resumed ones).
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        self._queued[request.request_id] = request
 
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
         """Finish the request now (an abort, or a stop string the engine saw
         in its text) and free its blocks; a no-op when it is done."""
-        for queue in (self.running, self.waiting):
-            for request in list(queue):
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    request.finish(reason)
-                    self.pool.free(request_id)
+        self.finish_requests([request_id], reason)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: str = "abort"
+    ) -> None:
+        """:meth:`finish_request` for many, with one pass over the waiting
+        queue (a client that sent thousands of requests goes at once)."""
+        waiting = set()
+        for request_id in request_ids:
+            if (request := self._queued.pop(request_id, None)) is None:
+                continue
+            request.finish(reason)
+            self.pool.free(request_id)
+            if request in self.running:  # (max_num_seqs at most)
+                self.running.remove(request)
+            else:
+                waiting.add(request)
+        if waiting:
+            self.waiting = deque(r for r in self.waiting if r not in waiting)
 
     def has_request(self, request_id: str) -> bool:
-        return any(r.request_id == request_id for r in (*self.waiting, *self.running))
+        return request_id in self._queued
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -157,10 +173,12 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.FINISHED:
                 continue
-            # waiting: preempted while this step (its last token) was in flight
-            for queue in (self.running, self.waiting):
-                if request in queue:
-                    queue.remove(request)
-                    self.pool.free(request.request_id)
-                    finished.append(request)
+            if self._queued.pop(request.request_id, None) is None:
+                continue  # finished and removed meanwhile (an abort)
+            if request in self.running:
+                self.running.remove(request)
+            else:  # preempted while this step (its last token) was in flight
+                self.waiting.remove(request)
+            self.pool.free(request.request_id)
+            finished.append(request)
         return finished

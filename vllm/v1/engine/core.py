@@ -400,6 +400,9 @@ class EngineCore:
     def finish_request(self, request_id: str, reason: str = "abort") -> None:
         self.scheduler.finish_request(request_id, reason)
 
+    def finish_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        self.scheduler.finish_requests(request_ids, reason)
+
     def stats(self) -> SchedulerStats:
         pool = self.pool
         scheduler = self.scheduler

@@ -117,8 +117,7 @@ class EngineCoreLoop:
                 self.engine.add_request(request)
                 added.append(request)
         except Exception as e:  # ValueError: a bad request; others reported too
-            for request in added:
-                self.engine.finish_request(request.request_id, "abort")
+            self.engine.finish_requests([r.request_id for r in added], "abort")
             return e
         self._sent.update((r.request_id, (r, 0)) for r in requests)
         return None
@@ -126,9 +125,8 @@ class EngineCoreLoop:
     def abort(self, request_ids: list[str], reason: str) -> None:
         """Finish these requests (unknown or finished ones are ignored); the
         next outputs end them with ``reason``."""
-        for request_id in request_ids:
-            if request_id in self._sent:
-                self.engine.finish_request(request_id, reason)
+        known = [request_id for request_id in request_ids if request_id in self._sent]
+        self.engine.finish_requests(known, reason)
 
     def abort_all(self) -> None:
         self.abort(list(self._sent), "abort")

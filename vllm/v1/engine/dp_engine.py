@@ -422,6 +422,10 @@ class DPEngineCore(EngineCore):
             if rank != 0:
                 self._aborts[rank].append((request_id, reason))
 
+    def finish_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        for request_id in request_ids:
+            self.finish_request(request_id, reason)
+
     def has_unfinished_requests(self) -> bool:
         return (
             super().has_unfinished_requests()
