@@ -315,6 +315,20 @@ def test_prefix_caching_changes_no_token(engine_factory):
         assert preempted > 0 if "num_kv_blocks" in kwargs else preempted == 0
 
 
+def gpu_engine(checkpoint, **kwargs) -> EngineCore:
+    """bf16 on CUDA, the KV cache from a small share of the GPU's memory."""
+    config = EngineConfig(
+        checkpoint,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=64,
+        gpu_memory_utilization=0.05,
+        prefix=next(_prefixes),
+        **kwargs,
+    )
+    return EngineCore(config)
+
+
 @pytest.mark.gpu
 def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
     """bf16 on CUDA with the GPU experts backend, the KV cache sized from
@@ -323,16 +337,7 @@ def test_engine_on_the_gpu_runs_everything_after_the_lock(checkpoint):
     compared with solo runs here)."""
     reset_workspace_manager()
     try:
-        config = EngineConfig(
-            checkpoint,
-            dtype="bfloat16",
-            device="cuda",
-            max_model_len=64,
-            max_num_batched_tokens=64,
-            gpu_memory_utilization=0.05,
-            prefix=next(_prefixes),
-        )
-        engine = EngineCore(config)
+        engine = gpu_engine(checkpoint, max_num_batched_tokens=64)
         manager = current_workspace_manager()
         before = manager.memory_report().total_bytes
         requests = run(engine, list(range(16)))
@@ -355,16 +360,7 @@ def test_prefix_caching_on_the_gpu_matches_the_engine_without_it(checkpoint):
     for caching, first_alone in ((False, True), (True, True), (True, False)):
         reset_workspace_manager()
         try:
-            config = EngineConfig(
-                checkpoint,
-                dtype="bfloat16",
-                device="cuda",
-                max_model_len=64,
-                gpu_memory_utilization=0.05,
-                enable_prefix_caching=caching,
-                prefix=next(_prefixes),
-            )
-            engine = EngineCore(config)
+            engine = gpu_engine(checkpoint, enable_prefix_caching=caching)
             vocab = engine.model.config.vocab_size
             params = SamplingParams(temperature=0, max_tokens=1, logprobs=vocab)
             runs[caching, first_alone] = run_shared_prefixes(
