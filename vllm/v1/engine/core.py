@@ -474,8 +474,9 @@ class EngineCore:
         banned = {}
         for row, r in enumerate(requests):
             params = r.sampling_params
-            made = len(r.output_token_ids) + r.num_pending_tokens - 1
-            if made < params.min_tokens:
+            if params.min_tokens == 0:  # most requests
+                continue
+            if len(r.output_token_ids) + r.num_pending_tokens - 1 < params.min_tokens:
                 eos = [] if r.eos_token_id is None else [r.eos_token_id]
                 if stops := [*params.stop_token_ids, *eos]:
                     banned[row] = stops
