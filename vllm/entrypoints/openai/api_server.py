@@ -49,7 +49,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import json_response
+from vllm.entrypoints.openai.serving_engine import json_response, off_the_loop
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
@@ -134,12 +134,14 @@ async def create_chat_completion(
 
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw: Request) -> Response:
-    return json_response(_state(raw).tokenization.tokenize(request))
+    return json_response(await off_the_loop(_state(raw).tokenization.tokenize, request))
 
 
 @router.post("/detokenize")
 async def detokenize(request: DetokenizeRequest, raw: Request) -> Response:
-    return json_response(_state(raw).tokenization.detokenize(request))
+    return json_response(
+        await off_the_loop(_state(raw).tokenization.detokenize, request)
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:

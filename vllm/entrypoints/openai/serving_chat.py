@@ -36,6 +36,7 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     collect,
     json_response,
+    off_the_loop,
     sse,
     sse_response,
     usage,
@@ -51,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(
                 "top_logprobs: only allowed with logprobs=true", param="top_logprobs"
             )
-        prompt = self.chat_prompt_ids(request.messages, request)
+        prompt = await off_the_loop(self.chat_prompt_ids, request.messages, request)
         renames = {"prompt": "messages"}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:

@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     collect,
     json_response,
+    off_the_loop,
     sse,
     sse_response,
     usage,
@@ -44,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             raise OpenAIError("echo: not supported", param="echo")
         options = self.check_stream_options(request)
-        prompts = self._prompt_ids(request.prompt)
+        prompts = await off_the_loop(self._prompt_ids, request.prompt)
         logprobs = request.logprobs
         params = [
             self.sampling_params(request, p, request.max_tokens, logprobs, "prompt")

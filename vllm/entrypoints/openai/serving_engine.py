@@ -20,11 +20,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi.responses import Response, StreamingResponse
@@ -45,6 +47,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def sse(payload: BaseModel) -> str:
@@ -127,6 +130,18 @@ def usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo:
         prompt_tokens=num_prompt,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt + num_completion_tokens,
+    )
+
+
+# Tokenizing a long text takes seconds (30 MB: ~50 s): off the event loop,
+# on one thread (as vLLM: a tokenizer is not safe to call from many at once).
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="vllm-tokenizer")
+
+
+async def off_the_loop(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` on the tokenizer's thread, the event loop free."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _TOKENIZER_THREAD, function, *args
     )
 
 
