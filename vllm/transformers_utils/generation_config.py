@@ -95,7 +95,7 @@ def load_generation_defaults(
             raise ValueError(f"{path}: {name}: expected a number, got {value!r}")
     if "top_k" in sampling:
         top_k = sampling["top_k"]
-        if not _whole(top_k) and not (isinstance(top_k, float) and top_k.is_integer()):
+        if isinstance(top_k, float) and not top_k.is_integer():  # 20.0 is 20
             raise ValueError(f"{path}: top_k: expected a whole number, got {top_k!r}")
         sampling["top_k"] = 0 if top_k == -1 else int(top_k)  # -1: vLLM's "all"
     max_tokens = config.get("max_new_tokens")

@@ -195,16 +195,18 @@ class OpenAIServing:
                 param="continue_final_message",
             )
         variables = options.chat_template_kwargs or {}
-        render = inspect.signature(type(tokenizer).apply_chat_template).parameters
-        # the renderer's arguments, and the messages it hands the template
-        named = {n for n, p in render.items() if p.kind is not p.VAR_KEYWORD}
-        named.add("messages")
-        if clash := sorted(named & variables.keys()):
-            raise OpenAIError(
-                f"chat_template_kwargs: {clash} are the renderer's own arguments; "
-                "give the template's variables",
-                param="chat_template_kwargs",
-            )
+        if variables:  # (most requests send none: no signature to read)
+            render = inspect.signature(type(tokenizer).apply_chat_template)
+            # the renderer's arguments, and the messages it hands the template
+            named = {
+                n for n, p in render.parameters.items() if p.kind is not p.VAR_KEYWORD
+            }
+            if clash := sorted((named | {"messages"}) & variables.keys()):
+                raise OpenAIError(
+                    f"chat_template_kwargs: {clash} are the renderer's own "
+                    "arguments; give the template's variables",
+                    param="chat_template_kwargs",
+                )
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             text = tokenizer.apply_chat_template(

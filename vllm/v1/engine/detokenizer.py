@@ -14,8 +14,8 @@ token), and ``_read_offset:`` are the new ones. The window moves on once its
 text ends in a whole character, so a step costs O(window), not O(sequence).
 A stop string counts only if it ends past the text of the first
 ``min_tokens`` tokens (vLLM's rule); the text ends before it, or after it
-with ``include_stop_str_in_output``. Special tokens are decoded as text
-unless ``skip_special_tokens`` (the default).
+with ``include_stop_str_in_output``. Special tokens are left out of the
+text unless ``skip_special_tokens`` is False.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
-        # where a stop string may start in the text: None until there are
-        # min_tokens tokens, then the end of theirs
+        # the text a stop string must end past: None until there are
+        # min_tokens tokens, then the length of theirs
         self._stop_from: int | None = None if min_tokens else 0
         self.token_ids: list[int] = []
         self.text = ""  # emitted so far
