@@ -33,7 +33,9 @@ def test_strided_rows_and_empty(device):
 def test_applies_where_it_was_measured_to_win():
     assert skinny_gemm_applies(1, 128, torch.bfloat16)  # a router
     assert skinny_gemm_applies(2, 2048, torch.bfloat16)  # an output projection
-    assert not skinny_gemm_applies(1, 5120, torch.bfloat16)  # q/k/v: cuBLAS
+    assert skinny_gemm_applies(1, 5120, torch.bfloat16)  # q/k/v after a PDL kernel
+    assert not skinny_gemm_applies(2, 5120, torch.bfloat16)  # cuBLAS at 2 rows
+    assert not skinny_gemm_applies(1, 5121, torch.bfloat16)
     assert not skinny_gemm_applies(4, 128, torch.bfloat16)
     assert not skinny_gemm_applies(0, 128, torch.bfloat16)
     assert not skinny_gemm_applies(1, 128, torch.float32)

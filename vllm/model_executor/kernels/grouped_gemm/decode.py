@@ -320,10 +320,11 @@ class DecodeConfig:
 
 def default_decode_config(tokens: int) -> DecodeConfig:
     """The fastest checked on the H200 (benchmark_moe_decode --sweep, bf16
-    and fp8 weights): one token splits GEMM1 finest (more programs) and
+    and fp8 weights; K tiles up to 2048 and GEMM1 loading a tile ahead did
+    not help): one token splits both GEMMs finest (more programs) and
     streams GEMM2 in long rows; more tokens have programs enough."""
     if tokens == 1:
-        return DecodeConfig(8, 256, 8, 256)
+        return DecodeConfig(8, 256, 4, 256)
     return DecodeConfig(16, 256, 8, 128)
 
 
