@@ -113,7 +113,7 @@ def count_launches(step: Callable[[int], None]) -> int:
 
 def bench(
     label: str, tokens: int, args: argparse.Namespace, bandwidth: float
-) -> tuple[Row, dict[str, float]]:
+) -> tuple[Row, dict[str, float], str]:
     backend, scheme = SCHEMES[label]
     device = torch.device("cuda")
     e, k, i = args.num_experts, args.hidden_size, args.intermediate_size
@@ -168,7 +168,7 @@ def bench(
         launches["sorted"],
     )  # fmt: skip
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
-    return row, sweep
+    return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
 def sweep_tiles(
@@ -225,11 +225,10 @@ def main() -> None:
     rows, sweeps = [], {}
     for label in args.weights or list(SCHEMES):
         for tokens in args.tokens:
-            row, sweep = bench(label, tokens, args, bandwidth)
+            row, sweep, shipped = bench(label, tokens, args, bandwidth)
             rows.append(row)
             if sweep:
                 best = sorted(sweep.items(), key=lambda kv: kv[1])[:3]
-                shipped = str(default_decode_config(tokens))
                 if shipped in sweep:
                     best.append((f"shipped {shipped}", sweep[shipped]))
                 sweeps[f"{label} @ {tokens}"] = best
