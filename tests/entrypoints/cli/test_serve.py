@@ -24,7 +24,7 @@ FLAGS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--enforce-eager", "--seed",
     "--chat-template", "--tensor-parallel-size", "--data-parallel-size",
     "--enable-expert-parallel", "--all2all-backend", "--enable-prefix-caching",
-    "--generation-config",
+    "--generation-config", "--reasoning-parser",
 ]  # fmt: skip
 
 
@@ -52,9 +52,10 @@ def test_help_lists_every_flag_with_its_default(capsys):
         (["--data-parallel-size", "4"], "--data-parallel-size: 4 ranks need --enable"),
         (["-dp", "0", "--enable-expert-parallel"], "--data-parallel-size: expected"),
         (["-dp", "2", "--enable-expert-parallel", "--all2all-backend", "x"], "invalid"),
+        (["--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
     ],
 )
-def test_parallelism_is_refused_before_loading(capsys, flags, message):
+def test_bad_flags_are_refused_before_loading(capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "/no/such/model", *flags])
     assert exit_info.value.code == 2

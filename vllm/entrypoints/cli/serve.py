@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vllm.reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8", "w4a16", "w4a8")
@@ -139,6 +141,13 @@ def add_serve_parser(
         "--chat-template",
         default=None,
         help="A Jinja chat template, or a file holding one (default: the tokenizer's).",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="Report chat replies' thinking apart, as reasoning_content "
+        "(default: none, the thinking stays in content).",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -53,6 +53,7 @@ from vllm.entrypoints.openai.serving_engine import json_response, off_the_loop
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
+from vllm.reasoning import REASONING_PARSERS
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -167,6 +168,7 @@ def build_app(
     models: OpenAIServingModels,
     stat_logger: PrometheusStatLogger,
     api_key: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,7 +181,11 @@ def build_app(
         engine,
         models,
         OpenAIServingCompletion(engine, models),
-        OpenAIServingChat(engine, models),
+        OpenAIServingChat(
+            engine,
+            models,
+            None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser](),
+        ),
         OpenAIServingTokenization(engine, models),
         stat_logger,
     )
@@ -291,6 +297,6 @@ def run_server(args: argparse.Namespace) -> None:
     stat_logger = PrometheusStatLogger(names[0])
     engine = build_async_engine(args, stat_logger)
     models = OpenAIServingModels(names, str(args.model), engine.max_model_len)
-    app = build_app(engine, models, stat_logger, args.api_key)
+    app = build_app(engine, models, stat_logger, args.api_key, args.reasoning_parser)
     logger.info("Serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

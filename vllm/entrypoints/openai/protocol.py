@@ -158,11 +158,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    include_reasoning: bool = True  # under a reasoning parser (vLLM's field)
 
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # under a reasoning parser
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -198,6 +200,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -6,7 +6,10 @@ either, a reply may fill the rest of the context. Streamed, each choice
 first gets ``{"role": "assistant", "content": ""}``, then its new text as it
 is produced (never a partial character or a possible stop string), the last
 event carrying ``finish_reason``. ``logprobs: true`` reports each token's
-log-prob and its ``top_logprobs`` most likely alternatives.
+log-prob and its ``top_logprobs`` most likely alternatives. Under a
+reasoning parser (``--reasoning-parser``) a reply's thinking comes as
+``reasoning_content`` and its answer as ``content`` (``null`` while there
+is none), streamed alike; ``include_reasoning: false`` drops the thinking.
 """
 
 from __future__ import annotations
@@ -41,10 +44,22 @@ from vllm.entrypoints.openai.serving_engine import (
     sse_response,
     usage,
 )
-from vllm.v1.engine.async_llm import RequestStream
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.reasoning import Qwen3ReasoningParser
+from vllm.reasoning.qwen3_reasoning_parser import ReasoningStream
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        reasoning_parser: Qwen3ReasoningParser | None = None,
+    ) -> None:
+        super().__init__(engine, models)
+        self.reasoning_parser = reasoning_parser
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.models.check(request.model)
         options = self.check_stream_options(request)
@@ -68,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=[],
         )
         if request.stream:
-            events = self._events(stream, response, prompt, request.n, options, top)
+            events = self._events(stream, response, prompt, request, options, top)
             return sse_response(events, stream)
         choices = await collect(stream, request.n)
         result = ChatCompletionResponse(
@@ -78,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionResponseChoice(
                     index=index,
-                    message=ChatMessage(content=choice.text),
+                    message=self._message(choice.text, request.include_reasoning),
                     logprobs=None
                     if top is None
                     else self._logprobs(choice.token_ids, choice.logprobs, top),
@@ -89,6 +104,17 @@ class OpenAIServingChat(OpenAIServing):
             usage=usage([prompt], sum(len(c.token_ids) for c in choices)),
         )
         return json_response(result)
+
+    def _message(self, text: str | None, include_reasoning: bool) -> ChatMessage:
+        if self.reasoning_parser is None or text is None:
+            return ChatMessage(content=text)
+        reasoning, content = self.reasoning_parser.split(text)
+        if reasoning is None:
+            return ChatMessage(content=content)
+        return ChatMessage(
+            content=content or None,
+            reasoning_content=reasoning if include_reasoning else None,
+        )
 
     def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
         text = self.token_string(token)
@@ -116,13 +142,17 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         response: ChatCompletionStreamResponse,
         prompt: list[int],
-        n: int,
+        request: ChatCompletionRequest,
         options: StreamOptions,
         top: int | None,
     ) -> AsyncIterator[str]:
         event = ChunkEvents(response).event
+        parser = self.reasoning_parser
+        splits: list[ReasoningStream] = []
+        if parser is not None:
+            splits = [parser.stream() for _ in range(request.n)]
 
-        for index in range(n):
+        for index in range(request.n):
             role = DeltaMessage(role="assistant", content="")
             yield event(ChatCompletionResponseStreamChoice(index=index, delta=role))
         num_tokens = 0
@@ -134,11 +164,22 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if top is not None and out.logprobs:
                     logprobs = self._logprobs(out.token_ids, out.logprobs, top)
-                if out.text == "" and logprobs is None and not delta.finished:
-                    continue  # held back (with no tokenizer text is None: always sent)
+                if splits and out.text is not None:
+                    reasoning, content = splits[index].feed(out.text, delta.finished)
+                    if not request.include_reasoning:
+                        reasoning = ""
+                    message = DeltaMessage(
+                        content=content or None, reasoning_content=reasoning or None
+                    )
+                    held = not reasoning and not content
+                else:  # with no tokenizer text is None: always sent
+                    message = DeltaMessage(content=out.text or "")
+                    held = out.text == ""
+                if held and logprobs is None and not delta.finished:
+                    continue
                 choice = ChatCompletionResponseStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=out.text or ""),
+                    delta=message,
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                 )
