@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
+from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.skinny_gemm import (
     skinny_gemm,
@@ -82,7 +83,8 @@ def bench(layer: str, rows: int, copy_gbps: float) -> Row:
     def of_copy(us: float) -> float:
         return weight_bytes / (us * 1e-6) / (copy_gbps * 1e9)
 
-    picked = "skinny" if skinny_gemm_applies(rows, n, x.dtype) else "cublas"
+    applies = skinny_gemm_applies(rows, n, x.dtype, pdl(x.device))
+    picked = "skinny" if applies else "cublas"
     return Row(
         layer, n, k, rows, times["skinny"], times["cublas"],
         of_copy(times["skinny"]), of_copy(times["cublas"]), times["norm_skinny"],

@@ -52,7 +52,7 @@ def _spin_kernel(ns):
 
 
 @triton.jit
-def _prefetch_kernel(ptr, nbytes, MODE: tl.constexpr, CHUNK: tl.constexpr):
+def _prefetch_kernel(ptr, MODE: tl.constexpr, CHUNK: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * CHUNK
     if MODE == 0:  # one prefetch per 128-byte line, evict-last
         offs = base + tl.arange(0, CHUNK // LINE) * LINE
@@ -101,7 +101,7 @@ def prefetch(w: torch.Tensor, mode: int) -> object:
     flat = w.view(-1).view(torch.uint8)
     warps = 1 if mode == 2 else 4
     return _prefetch_kernel[(nbytes // CHUNK,)](
-        flat, nbytes, MODE=mode, CHUNK=CHUNK, num_warps=warps, launch_pdl=True
+        flat, MODE=mode, CHUNK=CHUNK, num_warps=warps, launch_pdl=True
     )
 
 

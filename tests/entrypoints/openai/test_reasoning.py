@@ -1,7 +1,10 @@
-"""``vllm serve --reasoning-parser qwen3`` through the official client. The
-tiny model's random replies never open with ``<think>``: they must come
-back whole as content, streamed alike (the split itself, tags over several
-tokens included, is tested in ``tests/reasoning``)."""
+"""``vllm serve --reasoning-parser qwen3`` through the official client, with
+a chat template that opens ``<think>`` at the end of the prompt, as Qwen3's
+thinking-only models do, unless ``enable_thinking`` is false (then it
+closes an empty one, as Qwen3's hybrid template does). The tiny model's
+random reply never writes ``</think>``: opened, it is all reasoning;
+closed, all content; streamed alike. The split itself, tags over several
+tokens included, is tested in ``tests/reasoning``."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +14,11 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MODEL, SERVER_ARGS
 from tests.entrypoints.openai.utils import RemoteOpenAIServer
+from vllm.model_executor.model_loader.tiny_checkpoint import CHAT_TEMPLATE
 
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% endif %}{% endif %}", "{% else %}<think>\n{% endif %}{% endif %}"
+)
 MESSAGES = [{"role": "user", "content": "Load a JSON file."}]
 
 
@@ -19,32 +26,44 @@ MESSAGES = [{"role": "user", "content": "Load a JSON file."}]
 def server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RemoteOpenAIServer]:
+    assert THINKING_TEMPLATE != CHAT_TEMPLATE
     log = tmp_path_factory.mktemp("reasoning_server") / "server.log"
-    args = [*SERVER_ARGS, "--reasoning-parser", "qwen3"]
+    args = [
+        *SERVER_ARGS,
+        "--reasoning-parser", "qwen3",
+        "--chat-template", THINKING_TEMPLATE,
+    ]  # fmt: skip
     with RemoteOpenAIServer(tiny_model, args, log) as remote:
         yield remote
 
 
-@pytest.mark.parametrize("include_reasoning", [True, False])
-def test_a_reply_without_thinking_is_all_content(server, include_reasoning):
+@pytest.mark.parametrize(
+    ("thinking", "include_reasoning"), [(True, True), (True, False), (False, True)]
+)
+def test_the_reply_splits_alike_streamed_or_not(server, thinking, include_reasoning):
     client = server.client()
-    prompt = httpx.post(server.url_for("tokenize"), json={"messages": MESSAGES})
+    template = {"chat_template_kwargs": {"enable_thinking": thinking}}
+    prompt = httpx.post(
+        server.url_for("tokenize"), json={"messages": MESSAGES, **template}
+    ).json()["tokens"]
+    opened = httpx.post(server.url_for("detokenize"), json={"tokens": prompt})
+    assert opened.json()["prompt"].endswith("<think>\n") is thinking
     kwargs = dict(model=MODEL, max_tokens=12, temperature=0)
-    plain = client.completions.create(prompt=prompt.json()["tokens"], **kwargs)
-    text = plain.choices[0].text
-    assert text and not text.startswith("<think>")
-    extra = {"include_reasoning": include_reasoning}
-    reply = client.chat.completions.create(
-        messages=MESSAGES, extra_body=extra, **kwargs
+    text = client.completions.create(prompt=prompt, **kwargs).choices[0].text
+    assert text and "</think>" not in text and not text.startswith("<think>")
+    want = (text if include_reasoning else None, None) if thinking else (None, text)
+    extra = {**template, "include_reasoning": include_reasoning}
+    message = (
+        client.chat.completions.create(messages=MESSAGES, extra_body=extra, **kwargs)
+        .choices[0]
+        .message
     )
-    message = reply.choices[0].message
-    assert message.content == text
-    assert getattr(message, "reasoning_content", None) is None
-    content = reasoning = ""
+    assert (getattr(message, "reasoning", None), message.content) == want
+    reasoning = content = ""
     for chunk in client.chat.completions.create(
         messages=MESSAGES, stream=True, extra_body=extra, **kwargs
     ):
         for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
             content += choice.delta.content or ""
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
-    assert (content, reasoning) == (text, "")
+    assert (reasoning, content) == tuple(part or "" for part in want)

@@ -25,9 +25,13 @@ def skinny_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 64])
-# skinny at 1-2 rows, skinny at 1 row only, cuBLAS
+# skinny at 1-2 rows, skinny at 1 row with PDL only, cuBLAS
 @pytest.mark.parametrize("out_features", [80, 4096, 6144])
-def test_matches_nn_linear(device, rows, out_features, skinny_calls):
+@pytest.mark.parametrize("with_pdl", [True, False])
+def test_matches_nn_linear(
+    device, rows, out_features, with_pdl, skinny_calls, monkeypatch
+):
+    monkeypatch.setattr(linear, "pdl", lambda device: with_pdl)
     torch.manual_seed(rows)
     layer = UnquantizedLinear(256, out_features, dtype=torch.bfloat16, device=device)
     layer.weight.normal_()
@@ -38,5 +42,5 @@ def test_matches_nn_linear(device, rows, out_features, skinny_calls):
     torch.testing.assert_close(out, ref, atol=0.1, rtol=2e-2)
     # leading dims pass through
     assert layer(x.view(1, rows, 256)).shape == (1, rows, out_features)
-    skinny = out_features <= {1: 5120, 2: 2048}.get(rows, 0)
+    skinny = out_features <= {1: 5120 if with_pdl else 2048, 2: 2048}.get(rows, 0)
     assert skinny_calls == ([rows, rows] if skinny else [])

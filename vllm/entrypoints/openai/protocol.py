@@ -164,7 +164,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: str | None = None  # under a reasoning parser
+    reasoning: str | None = None  # under a reasoning parser
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -200,7 +200,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -8,8 +8,9 @@ is produced (never a partial character or a possible stop string), the last
 event carrying ``finish_reason``. ``logprobs: true`` reports each token's
 log-prob and its ``top_logprobs`` most likely alternatives. Under a
 reasoning parser (``--reasoning-parser``) a reply's thinking comes as
-``reasoning_content`` and its answer as ``content`` (``null`` while there
-is none), streamed alike; ``include_reasoning: false`` drops the thinking.
+``reasoning`` (vLLM's name, formerly ``reasoning_content``) and its answer
+as ``content`` (``null`` while there is none), streamed alike;
+``include_reasoning: false`` drops the thinking (not its tokens' logprobs).
 """
 
 from __future__ import annotations
@@ -45,9 +46,46 @@ from vllm.entrypoints.openai.serving_engine import (
     usage,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm.reasoning import Qwen3ReasoningParser
-from vllm.reasoning.qwen3_reasoning_parser import ReasoningStream
+from vllm.reasoning.qwen3_reasoning_parser import (
+    Qwen3ReasoningParser,
+    ReasoningStream,
+    prompt_opens_thinking,
+)
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+_PROMPT_TAIL_TOKENS = 16  # a closing "<think>\n", however a BPE splits it
+
+
+def chat_message(
+    parser: Qwen3ReasoningParser | None,
+    text: str,
+    thinking: bool,
+    include_reasoning: bool,
+) -> ChatMessage:
+    """A whole reply as the response's message."""
+    if parser is None:
+        return ChatMessage(content=text)
+    reasoning, content = parser.split(text, thinking)
+    if reasoning is None:
+        return ChatMessage(content=content)
+    return ChatMessage(
+        content=content or None, reasoning=reasoning if include_reasoning else None
+    )
+
+
+def delta_message(
+    stream: ReasoningStream | None, text: str, final: bool, include_reasoning: bool
+) -> DeltaMessage | None:
+    """A streamed reply's new ``text`` as a delta; None while all of it is
+    held back (a final delta is always sent, for its finish reason)."""
+    if stream is None:
+        return DeltaMessage(content=text) if text or final else None
+    reasoning, content = stream.feed(text, final)
+    if not include_reasoning:
+        reasoning = ""
+    if not reasoning and not content and not final:
+        return None
+    return DeltaMessage(content=content or None, reasoning=reasoning or None)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -75,6 +113,9 @@ class OpenAIServingChat(OpenAIServing):
             renames["max_tokens"] = "max_completion_tokens"
         top = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, prompt, max_tokens, top, "messages")
+        thinking = self.reasoning_parser is not None and prompt_opens_thinking(
+            self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
+        )
         stream = await self.admit([prompt], [params], renames)
         response = ChatCompletionStreamResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -83,7 +124,9 @@ class OpenAIServingChat(OpenAIServing):
             choices=[],
         )
         if request.stream:
-            events = self._events(stream, response, prompt, request, options, top)
+            events = self._events(
+                stream, response, prompt, request, options, top, thinking
+            )
             return sse_response(events, stream)
         choices = await collect(stream, request.n)
         result = ChatCompletionResponse(
@@ -93,7 +136,12 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionResponseChoice(
                     index=index,
-                    message=self._message(choice.text, request.include_reasoning),
+                    message=chat_message(
+                        self.reasoning_parser,
+                        choice.text or "",
+                        thinking,
+                        request.include_reasoning,
+                    ),
                     logprobs=None
                     if top is None
                     else self._logprobs(choice.token_ids, choice.logprobs, top),
@@ -104,17 +152,6 @@ class OpenAIServingChat(OpenAIServing):
             usage=usage([prompt], sum(len(c.token_ids) for c in choices)),
         )
         return json_response(result)
-
-    def _message(self, text: str | None, include_reasoning: bool) -> ChatMessage:
-        if self.reasoning_parser is None or text is None:
-            return ChatMessage(content=text)
-        reasoning, content = self.reasoning_parser.split(text)
-        if reasoning is None:
-            return ChatMessage(content=content)
-        return ChatMessage(
-            content=content or None,
-            reasoning_content=reasoning if include_reasoning else None,
-        )
 
     def _entry(self, token: int, logprob: float) -> ChatCompletionLogProb:
         text = self.token_string(token)
@@ -145,12 +182,13 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         options: StreamOptions,
         top: int | None,
+        thinking: bool,
     ) -> AsyncIterator[str]:
         event = ChunkEvents(response).event
         parser = self.reasoning_parser
-        splits: list[ReasoningStream] = []
-        if parser is not None:
-            splits = [parser.stream() for _ in range(request.n)]
+        splits: list[ReasoningStream | None] = [None] * request.n
+        if parser is not None:  # one state per choice
+            splits = [parser.stream(thinking) for _ in range(request.n)]
 
         for index in range(request.n):
             role = DeltaMessage(role="assistant", content="")
@@ -164,22 +202,17 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if top is not None and out.logprobs:
                     logprobs = self._logprobs(out.token_ids, out.logprobs, top)
-                if splits and out.text is not None:
-                    reasoning, content = splits[index].feed(out.text, delta.finished)
-                    if not request.include_reasoning:
-                        reasoning = ""
-                    message = DeltaMessage(
-                        content=content or None, reasoning_content=reasoning or None
-                    )
-                    held = not reasoning and not content
-                else:  # with no tokenizer text is None: always sent
-                    message = DeltaMessage(content=out.text or "")
-                    held = out.text == ""
-                if held and logprobs is None and not delta.finished:
+                message = delta_message(
+                    splits[index],
+                    out.text or "",
+                    delta.finished,
+                    request.include_reasoning,
+                )
+                if message is None and logprobs is None:
                     continue
                 choice = ChatCompletionResponseStreamChoice(
                     index=index,
-                    delta=message,
+                    delta=message or DeltaMessage(content=""),
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
                 )

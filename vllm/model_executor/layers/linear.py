@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.skinny_gemm import (
     skinny_gemm,
     skinny_gemm_applies,
@@ -15,8 +16,8 @@ from vllm.model_executor.kernels.common.skinny_gemm import (
 class UnquantizedLinear(nn.Linear):
     """A bias-free ``nn.Linear`` (frozen weight); on a GPU the products that
     ``skinny_gemm`` wins (a token or two through a short weight: a MoE
-    router or an output projection at decode) run there, the others are
-    ``nn.Linear``'s."""
+    router or an output projection at decode; q/k/v at one token where
+    kernels launch with PDL) run there, the others are ``nn.Linear``'s."""
 
     def __init__(
         self,
@@ -34,7 +35,7 @@ class UnquantizedLinear(nn.Linear):
         rows = x.numel() // self.in_features
         if (
             runs_gpu_kernels(x)
-            and skinny_gemm_applies(rows, self.out_features, x.dtype)
+            and skinny_gemm_applies(rows, self.out_features, x.dtype, pdl(x.device))
             and x.stride(-1) == 1
         ):
             out = skinny_gemm(x.reshape(rows, self.in_features), self.weight)

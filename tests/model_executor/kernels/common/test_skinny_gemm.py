@@ -31,14 +31,18 @@ def test_strided_rows_and_empty(device):
 
 
 def test_applies_where_it_was_measured_to_win():
-    assert skinny_gemm_applies(1, 128, torch.bfloat16)  # a router
-    assert skinny_gemm_applies(2, 2048, torch.bfloat16)  # an output projection
-    assert skinny_gemm_applies(1, 5120, torch.bfloat16)  # q/k/v after a PDL kernel
-    assert not skinny_gemm_applies(2, 5120, torch.bfloat16)  # cuBLAS at 2 rows
-    assert not skinny_gemm_applies(1, 5121, torch.bfloat16)
-    assert not skinny_gemm_applies(4, 128, torch.bfloat16)
-    assert not skinny_gemm_applies(0, 128, torch.bfloat16)
-    assert not skinny_gemm_applies(1, 128, torch.float32)
+    bf16 = torch.bfloat16
+    for with_pdl in (True, False):
+        assert skinny_gemm_applies(1, 128, bf16, with_pdl)  # a router
+        assert skinny_gemm_applies(2, 2048, bf16, with_pdl)  # an output projection
+        assert not skinny_gemm_applies(2, 5120, bf16, with_pdl)  # cuBLAS at 2 rows
+        assert not skinny_gemm_applies(1, 5121, bf16, with_pdl)
+        assert not skinny_gemm_applies(4, 128, bf16, with_pdl)
+        assert not skinny_gemm_applies(0, 128, bf16, with_pdl)
+        assert not skinny_gemm_applies(1, 128, torch.float32, with_pdl)
+    # q/k/v at one row: only launched with PDL, after a kernel that was
+    assert skinny_gemm_applies(1, 5120, bf16, with_pdl=True)
+    assert not skinny_gemm_applies(1, 5120, bf16, with_pdl=False)
 
 
 def test_bad_arguments_are_named(device):

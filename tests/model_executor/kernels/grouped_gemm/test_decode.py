@@ -178,7 +178,7 @@ def test_bad_arguments_are_named(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 and graphs: CUDA")
-@pytest.mark.parametrize("tokens", [1, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])  # each default tile config
 def test_fp8_weights_and_graph_replay(tokens):
     torch.manual_seed(3)
     device = torch.device("cuda")

@@ -32,15 +32,17 @@ from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 4 x 1024 fp32
 SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
-# ... except at one row after a kernel launched with PDL (as q/k/v follows
-# the RMSNorm): cuBLAS cannot start early, 9.0 against 7.8 us at 5120 rows
+# ... except at one row launched with PDL after a kernel launched with PDL
+# (as q/k/v follows the RMSNorm): cuBLAS cannot start early, 9.0 against
+# 7.8 us at 5120 rows
 SKINNY_MAX_N_ONE_ROW = 5120
 _BLOCK_N, _BLOCK_K = 4, 1024
 
 
-def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype) -> bool:
-    """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product."""
-    max_n = SKINNY_MAX_N_ONE_ROW if rows == 1 else SKINNY_MAX_N
+def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -> bool:
+    """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product;
+    ``with_pdl``: whether it would launch with PDL (:func:`~.pdl.pdl`)."""
+    max_n = SKINNY_MAX_N_ONE_ROW if rows == 1 and with_pdl else SKINNY_MAX_N
     return (
         0 < rows <= SKINNY_MAX_ROWS
         and n <= max_n

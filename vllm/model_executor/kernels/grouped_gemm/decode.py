@@ -320,11 +320,11 @@ class DecodeConfig:
 
 def default_decode_config(tokens: int, weight_dtype: torch.dtype) -> DecodeConfig:
     """The fastest checked on the H200 (benchmark_moe_decode --sweep, bf16
-    and fp8 weights; K tiles up to 2048 and GEMM1 loading a tile ahead did
-    not help): one token splits both GEMMs finest (more programs) and
-    streams GEMM2 in long rows; more tokens have programs enough, but fp8
-    at two still gains from the finer split (27.4-28.7 against 29.1-30.6 us
-    in two sweeps; bf16 lost there)."""
+    and fp8 weights; K tiles up to 2048, 8 warps and GEMM1 loading a tile
+    ahead did not help, benchmarks/RESULTS.md): one token splits both GEMMs
+    finest (more programs) and streams GEMM2 in long rows; more tokens have
+    programs enough, but fp8 at two still gains from the finer split
+    (27.4-28.7 against 29.1-30.6 us in two sweeps; bf16 lost there)."""
     if tokens == 1:
         return DecodeConfig(8, 256, 4, 256)
     if tokens == 2 and weight_dtype == FP8_DTYPE:

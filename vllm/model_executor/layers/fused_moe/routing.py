@@ -6,6 +6,7 @@ import torch
 from torch.nn import functional as F
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.router_topk import (
     router_topk,
     router_topk_applies,
@@ -71,7 +72,8 @@ def gated_topk(
         )
         if fits and router_topk_applies(rows, num_experts, dtype):
             return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
-        if fits and skinny_gemm_applies(rows, num_experts, dtype):
+        with_pdl = pdl(hidden_states.device)
+        if fits and skinny_gemm_applies(rows, num_experts, dtype, with_pdl):
             logits = skinny_gemm(hidden_states, gate_weight)
             return fused_topk(hidden_states, logits, topk, renormalize)
     logits = F.linear(hidden_states, gate_weight)
