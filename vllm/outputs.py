@@ -20,3 +20,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # Under prompt_logprobs, per prompt token (None for the first); a
+    # stream's first output carries them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

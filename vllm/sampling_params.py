@@ -28,7 +28,10 @@ class SamplingParams:
     (vLLM's): until then its stop tokens and EOS cannot be sampled, and a
     stop string counts only if it ends past the text of its first
     ``min_tokens`` tokens. The text leaves special tokens out unless
-    ``skip_special_tokens`` is False."""
+    ``skip_special_tokens`` is False. ``prompt_logprobs`` asks for each
+    prompt token's log-probability given the tokens before it, with that
+    many most likely alternatives (vLLM's; such a request computes its
+    whole prompt: no prefix-cache hits)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -43,6 +46,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -66,6 +70,12 @@ class SamplingParams:
                 self.logprobs is None or self.logprobs >= 0,
                 "None or >= 0",
                 self.logprobs,
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "None or >= 0",
+                self.prompt_logprobs,
             ),
             ("stop", all(self.stop_strings), "non-empty strings", self.stop),
             *(

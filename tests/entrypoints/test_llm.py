@@ -71,6 +71,22 @@ def test_seeds_stops_and_logprobs(llm):
     assert cut.outputs[0].text == text[: text.index(stop)]
 
 
+def test_prompt_logprobs_come_with_the_output(llm):
+    """Per prompt token (None for the first); the values themselves are
+    checked against transformers in tests/v1/sample."""
+    engine, _ = llm
+    asked, plain = engine.generate(
+        ["def f(x):", "def f(x):"],
+        [SamplingParams(max_tokens=3, prompt_logprobs=2), SamplingParams(max_tokens=3)],
+    )
+    entries = asked.prompt_logprobs
+    assert entries is not None and len(entries) == len(asked.prompt_token_ids) > 1
+    assert entries[0] is None and plain.prompt_logprobs is None
+    for token, entry in zip(asked.prompt_token_ids[1:], entries[1:], strict=True):
+        assert entry is not None and token in entry and len(entry) in (2, 3)
+        assert max(entry.values()) <= 0
+
+
 def test_bad_prompts_name_their_index(llm):
     engine, _ = llm
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: 100 tokens"):

@@ -161,6 +161,13 @@ class LLM:
             request.finish_reason,
             logprobs,
         )
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
-            request.request_id, prompt, request.prompt_token_ids, [completion]
+            request.request_id,
+            prompt,
+            request.prompt_token_ids,
+            [completion],
+            prompt_logprobs=prompt_logprobs,
         )

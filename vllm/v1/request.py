@@ -43,6 +43,11 @@ class Request:
     num_cached_tokens: int | None = None
     # Hashes of its full blocks, in order, as far as the pool has needed them.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Per prompt token, under ``prompt_logprobs``: its log-probability and
+    # the top ones (None for the first token, which nothing predicts).
+    prompt_logprobs: list[dict[int, float] | None] = field(
+        default_factory=lambda: [None]
+    )
 
     @cached_property
     def prompt_array(self) -> np.ndarray:
@@ -79,6 +84,15 @@ class Request:
         finishes with those, and needs no further step."""
         scheduled = len(self.output_token_ids) + self.num_pending_tokens
         return scheduled >= self.sampling_params.max_tokens
+
+    def add_prompt_logprobs(
+        self, first_token: int, entries: list[dict[int, float]]
+    ) -> None:
+        """Those of prompt tokens ``first_token`` onwards, past the ones it
+        has (a recomputed prompt, after a preemption, gives them again)."""
+        have = len(self.prompt_logprobs)
+        assert first_token <= have, "prompt rows are computed in order"
+        self.prompt_logprobs += entries[have - first_token :]
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason

@@ -135,7 +135,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a step in flight
                 break
-            cached = self.pool.cached_prefix(request)
+            cached = []
+            if request.sampling_params.prompt_logprobs is None:  # needs every row
+                cached = self.pool.cached_prefix(request)
             start = len(cached) * self.pool.block_size
             end = min(request.num_tokens, start + budget)
             if self.pool.allocate(request.request_id, end, cached) is None:

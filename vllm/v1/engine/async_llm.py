@@ -299,6 +299,7 @@ class AsyncLLM:
                 request.prompt_token_ids,
                 [CompletionOutput(text, new, finish_reason, logprobs)],
                 finished,
+                output.prompt_logprobs,
             )
             deliveries.append((tracked.queue, (tracked.index, delta)))
             if finished:

@@ -58,6 +58,7 @@ from vllm.utils import to_device
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
+from vllm.v1.sample.prompt_logprobs import PromptLogprobsBatch, PromptRows
 from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
@@ -182,6 +183,7 @@ class _Launched:
     sampling: list[ScheduledChunk]
     sampled: SampledBatch
     done: torch.cuda.Event | None  # recorded after it where the wait is bounded
+    prompt_logprobs: PromptLogprobsBatch | None = None
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,17 @@ class EngineCore:
             )
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs > vocab:
+                raise ValueError(
+                    f"prompt_logprobs: expected <= {vocab}, got "
+                    f"{params.prompt_logprobs}"
+                )
+            if self.runner.dp_group is not None or self.config.enable_dbo:
+                raise ValueError(
+                    "prompt_logprobs: not supported with data parallelism or "
+                    "dual-batch overlap (their steps do not run eagerly alone)"
+                )
         if params.logit_bias and (largest := max(params.logit_bias)) >= vocab:
             raise ValueError(f"logit_bias: expected token ids < {vocab}, got {largest}")
         stops = params.stop_token_ids
@@ -442,8 +455,18 @@ class EngineCore:
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         sampling = [c for c in chunks if c.samples]
         params = [c.request.sampling_params for c in sampling]
+        rows, prompt_rows = self._prompt_rows(chunks)
+        prompt_logprobs = None
         with self.runner.on_stream():  # the step's logits are read there
-            logits = self.runner.execute(chunks, self.pool)
+            if prompt_rows:
+                logits, hidden = self.runner.execute_keeping_rows(
+                    chunks, self.pool, rows
+                )
+                prompt_logprobs = PromptLogprobsBatch(
+                    hidden, prompt_rows, self.model.compute_logits
+                )
+            else:
+                logits = self.runner.execute(chunks, self.pool)
             history = None
             if any(p.penalized for p in params):
                 history = self._token_history([c.request for c in sampling])
@@ -463,7 +486,29 @@ class EngineCore:
             self.runner.remember_sampled(
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
-        return _Launched(chunks, sampling, sampled, done)
+        return _Launched(chunks, sampling, sampled, done, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_rows(
+        chunks: list[ScheduledChunk],
+    ) -> tuple[list[int], list[PromptRows]]:
+        """The step's rows whose logits give prompt log-probabilities: row
+        ``p`` (a position) predicts prompt token ``p + 1``."""
+        rows: list[int] = []
+        prompt_rows = []
+        offset = 0
+        for chunk in chunks:
+            request = chunk.request
+            num_top = request.sampling_params.prompt_logprobs
+            last = min(chunk.end, len(request.prompt_token_ids) - 1)
+            if num_top is not None and chunk.start < last:
+                rows += range(offset, offset + last - chunk.start)
+                targets = request.prompt_token_ids[chunk.start + 1 : last + 1]
+                prompt_rows.append(
+                    PromptRows(request, chunk.start + 1, targets, num_top)
+                )
+            offset += chunk.end - chunk.start
+        return rows, prompt_rows
 
     @staticmethod
     def _banned(requests: list[Request]) -> dict[int, list[int]]:
@@ -509,6 +554,9 @@ class EngineCore:
         """The launched step's tokens appended; its finished requests."""
         if launched.done is not None:
             self._wait_bounded(launched.done)
+        if launched.prompt_logprobs is not None:
+            for rows, entries in launched.prompt_logprobs.tolist():
+                rows.request.add_prompt_logprobs(rows.first_token, entries)
         tokens = launched.sampled.tolist()
         for chunk, token in zip(launched.sampling, tokens, strict=True):
             chunk.request.resolve_token(

@@ -84,6 +84,8 @@ class EngineCoreOutput:
     new_logprobs: list[float] | None  # None unless the request asked for them
     new_top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    # In a request's first output, under prompt_logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -141,7 +143,9 @@ class EngineCoreLoop:
             new = request.output_token_ids[num_sent:]
             if not new and request.finish_reason is None:
                 continue  # still in prefill, or preempted
-            wants_logprobs = request.sampling_params.logprobs is not None
+            params = request.sampling_params
+            wants_logprobs = params.logprobs is not None
+            first_with_prompt = num_sent == 0 and params.prompt_logprobs is not None
             outputs.append(
                 EngineCoreOutput(
                     request_id,
@@ -149,6 +153,7 @@ class EngineCoreLoop:
                     request.output_logprobs[num_sent:] if wants_logprobs else None,
                     request.top_logprobs[num_sent:] if wants_logprobs else None,
                     request.finish_reason,
+                    request.prompt_logprobs if first_with_prompt else None,
                 )
             )
             if request.finish_reason is None:

@@ -163,6 +163,15 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs / probs.sum(-1, keepdim=True)
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: a pinned copy queued on the current stream (wait
+    on an event recorded after it), or ``t`` itself off CUDA."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 class SampledBatch:
     """A batch's sampled tokens (``device_tokens`` [R], on the logits'
     device) on their way to the host: the copies start when it is made, on
@@ -185,16 +194,9 @@ class SampledBatch:
             values, ids = logprobs.topk(max(self._num_top), dim=-1)
             copies += [chosen, values, ids]
         self._event = torch.cuda.Event() if tokens.is_cuda else None
-        self._host = [self._to_host(t) for t in copies]
+        self._host = [host_copy(t) for t in copies]
         if self._event is not None:
             self._event.record()
-
-    @staticmethod
-    def _to_host(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_cuda:
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return host.copy_(t, non_blocking=True)
 
     def tolist(self) -> list[SampledToken]:
         if self._event is not None:

@@ -264,13 +264,7 @@ class GPUModelRunner:
         sampling does) or copy them."""
         num_seqs = len(chunks)
         num_tokens = self._fill_inputs(chunks, pool)
-        # Rows of the chunks that sample, from the host (a device mask would
-        # sync before the replay); all of a decode step's rows sample.
-        ends, end = [], 0
-        for chunk in chunks:
-            end += chunk.end - chunk.start
-            if chunk.samples:
-                ends.append(end - 1)
+        ends = self._sampling_rows(chunks)
         if self.ubatch_streams:
             return self._execute_ubatches(chunks, ends)
         plan = self._plan(num_tokens, decode=num_tokens == num_seqs)
@@ -290,14 +284,47 @@ class GPUModelRunner:
             entry = self.mixed_graphs[plan.size]
             entry.graph.replay()
             return self.model.compute_logits(entry.output[: len(ends)])
-        meta = self._metadata(
-            num_seqs, num_tokens, max(c.end - c.start for c in chunks)
+        hidden = self._eager_hidden(chunks, num_tokens, plan.dp_metadata)
+        return self.model.compute_logits(hidden[self._rows(ends)])
+
+    @torch.inference_mode()
+    def execute_keeping_rows(
+        self, chunks: list[ScheduledChunk], pool: BlockPool, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`execute`, eagerly and in one batch (no graphs, no
+        micro-batches), also returning the hidden states of the step's
+        ``rows`` (a prompt's log-probabilities need every row's logits).
+        One rank's step only: ranks that exchange tokens must agree on
+        graphs, which this does not ask them."""
+        num_tokens = self._fill_inputs(chunks, pool)
+        hidden = self._eager_hidden(chunks, num_tokens, None)
+        logits = self.model.compute_logits(
+            hidden[self._rows(self._sampling_rows(chunks))]
         )
-        with set_forward_context(meta, plan.dp_metadata):
-            hidden = self.model(
-                self.input_ids[:num_tokens], self.positions[:num_tokens]
-            )
-            return self.model.compute_logits(hidden[self._rows(ends)])
+        return logits, hidden[self._rows(rows)]
+
+    @staticmethod
+    def _sampling_rows(chunks: list[ScheduledChunk]) -> list[int]:
+        """Rows of the chunks that sample, from the host (a device mask would
+        sync before the replay); all of a decode step's rows sample."""
+        ends, end = [], 0
+        for chunk in chunks:
+            end += chunk.end - chunk.start
+            if chunk.samples:
+                ends.append(end - 1)
+        return ends
+
+    def _eager_hidden(
+        self,
+        chunks: list[ScheduledChunk],
+        num_tokens: int,
+        dp_metadata: DPMetadata | None,
+    ) -> torch.Tensor:
+        meta = self._metadata(
+            len(chunks), num_tokens, max(c.end - c.start for c in chunks)
+        )
+        with set_forward_context(meta, dp_metadata):
+            return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 
     def _plan(self, num_tokens: int, decode: bool) -> StepPlan:
         """How this step runs. Under expert parallelism the ranks agree
