@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import MAX_MODEL_LEN, MODEL
-from tests.entrypoints.openai.utils import RemoteOpenAIServer
+from tests.entrypoints.openai.utils import SERVER_DTYPE, RemoteOpenAIServer
 
 PROMPT = "def load(fp, *, cls=None):"
 
@@ -194,3 +194,43 @@ def test_async_client(server):
         return [o.usage.completion_tokens for o in outs]
 
     assert asyncio.run(run()) == [2, 3, 4, 5]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, server):
+    kwargs = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=2)
+    plain = client.completions.create(prompt=PROMPT, **kwargs).choices[0]
+    echoed = client.completions.create(prompt=PROMPT, echo=True, **kwargs).choices[0]
+    assert echoed.text == PROMPT + plain.text
+    num_prompt = prompt_len(server, PROMPT)
+    lp, plain_lp = echoed.logprobs, plain.logprobs
+    assert len(lp.tokens) == num_prompt + len(plain_lp.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[num_prompt:] == plain_lp.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain_lp.token_logprobs)
+    assert lp.text_offset[num_prompt] == len("".join(lp.tokens[:num_prompt]))
+    # A prompt token's entry is the next-token distribution after the ones
+    # before it: what a completion of those tokens reports for its first.
+    ids = httpx.post(server.url_for("tokenize"), json={"prompt": PROMPT}).json()
+    head = client.completions.create(prompt=ids["tokens"][:-1], **kwargs)
+    first = head.choices[0].logprobs.top_logprobs[0]
+    last = lp.top_logprobs[num_prompt - 1]
+    assert last is not None and lp.tokens[num_prompt - 1] in last
+    tol = 1e-3 if SERVER_DTYPE == "float32" else 0.1  # other batch shapes
+    for token in set(first) & set(last):
+        assert first[token] == pytest.approx(last[token], abs=tol)
+    assert len(set(first) & set(last)) >= 2  # the top-2 agree
+
+
+def test_streamed_echo_starts_every_choice_with_the_prompt(client):
+    kwargs = dict(model=MODEL, prompt=[PROMPT, "x = 1"], max_tokens=5, n=2)
+    kwargs |= dict(temperature=0, echo=True)
+    whole = client.completions.create(**kwargs).choices
+    texts = [""] * 4
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            if not texts[choice.index]:
+                prompt = PROMPT if choice.index < 2 else "x = 1"
+                assert choice.text.startswith(prompt)
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in sorted(whole, key=lambda c: c.index)]
+    assert whole[2].text.startswith("x = 1") and whole[0].text.startswith(PROMPT)

@@ -98,9 +98,10 @@ class CompletionRequest(SamplingRequest):
 
 class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    # None for an echoed prompt's first token, which nothing predicts
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionResponseChoice(BaseModel):

@@ -6,7 +6,10 @@ skipped while a choice's text is held back (a partial character, a possible
 stop string), so the events' texts concatenate to exactly the non-streamed
 text. ``logprobs: k`` reports each token's log-prob and, in
 ``top_logprobs``, the ``k`` most likely tokens plus the sampled one (as
-vLLM does).
+vLLM does). ``echo: true`` puts the prompt before each choice's text (a
+stream's first event of the choice carries it) and, with ``logprobs``, the
+prompt tokens' log-probs before the generated ones', the first ``null``
+(nothing predicts it): what evaluation harnesses score prompts with.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import cast
 
 from fastapi.responses import Response
@@ -27,6 +31,7 @@ from vllm.entrypoints.openai.protocol import (
     StreamOptions,
 )
 from vllm.entrypoints.openai.serving_engine import (
+    Choice,
     ChunkEvents,
     OpenAIServing,
     collect,
@@ -39,16 +44,26 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.v1.engine.async_llm import RequestStream
 
 
+@dataclass
+class _Echo:
+    text: str
+    logprobs: CompletionLogProbs | None
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Response:
         self.models.check(request.model)
-        if request.echo:
-            raise OpenAIError("echo: not supported", param="echo")
         options = self.check_stream_options(request)
         prompts = await off_the_loop(self._prompt_ids, request.prompt)
+        echoes = None
+        if request.echo:
+            echoes = await off_the_loop(self._echoes, request.prompt, prompts)
         logprobs = request.logprobs
+        prompt_logprobs = logprobs if request.echo else None
         params = [
-            self.sampling_params(request, p, request.max_tokens, logprobs, "prompt")
+            self.sampling_params(
+                request, p, request.max_tokens, logprobs, "prompt", prompt_logprobs
+            )
             for p in prompts
         ]
         stream = await self.admit(prompts, params)
@@ -59,17 +74,24 @@ class OpenAIServingCompletion(OpenAIServing):
             choices=[],
         )
         if request.stream:
-            events = self._events(stream, response, prompts, options, logprobs)
+            events = self._events(
+                stream, response, prompts, request.n, options, logprobs, echoes
+            )
             return sse_response(events, stream)
         choices = await collect(stream, len(prompts) * request.n)
         for index, choice in enumerate(choices):
+            echo = self._echo(index // request.n, prompts, echoes, choice, logprobs)
+            choice_logprobs = None
+            if logprobs is not None:
+                offset = len(echo.text)
+                choice_logprobs = self._logprobs(
+                    choice.token_ids, choice.logprobs, offset, echo.logprobs
+                )
             response.choices.append(
                 CompletionResponseChoice(
                     index=index,
-                    text=choice.text,
-                    logprobs=None
-                    if logprobs is None
-                    else self._logprobs(choice.token_ids, choice.logprobs, 0),
+                    text=echo.text + choice.text,
+                    logprobs=choice_logprobs,
                     finish_reason=choice.finish_reason,
                 )
             )
@@ -91,18 +113,56 @@ class OpenAIServingCompletion(OpenAIServing):
             self.text_prompt_ids(p) if isinstance(p, str) else list(p) for p in many
         ]
 
+    def _echoes(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        prompts: list[list[int]],
+    ) -> list[str]:
+        """Each prompt's text as echoed: as sent, or its tokens decoded."""
+        tokenizer = self.require_tokenizer("echo")
+        one = isinstance(prompt, str) or isinstance(prompt[0], int)
+        sent = [prompt] if one else cast(list[str] | list[list[int]], prompt)
+        return [
+            p if isinstance(p, str) else tokenizer.decode(ids)
+            for p, ids in zip(sent, prompts, strict=True)
+        ]
+
+    def _echo(
+        self,
+        prompt_index: int,
+        prompts: list[list[int]],
+        echoes: list[str] | None,
+        choice: Choice,
+        logprobs: int | None,
+    ) -> _Echo:
+        """What a choice's first text and log-probs start with."""
+        if echoes is None:
+            return _Echo("", None)
+        text = echoes[prompt_index]
+        if logprobs is None or choice.prompt_logprobs is None:
+            return _Echo(text, None)
+        ids = prompts[prompt_index]
+        return _Echo(text, self._logprobs(ids, choice.prompt_logprobs, 0))
+
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None] | list[dict[int, float]],
+        offset: int,
+        before: CompletionLogProbs | None = None,
     ) -> CompletionLogProbs:
-        """Log-probs of tokens whose text starts at ``offset`` in the choice."""
-        result = CompletionLogProbs()
+        """Log-probs of tokens whose text starts at ``offset`` in the choice,
+        after ``before``'s (an echoed prompt's)."""
+        result = before.model_copy(deep=True) if before else CompletionLogProbs()
         for token, step in zip(token_ids, logprobs, strict=True):
             text = self.token_string(token)
             result.text_offset.append(offset)
             result.tokens.append(text)
-            result.token_logprobs.append(step[token])
+            result.token_logprobs.append(None if step is None else step[token])
             result.top_logprobs.append(
-                {self.token_string(t): lp for t, lp in step.items()}
+                None
+                if step is None
+                else {self.token_string(t): lp for t, lp in step.items()}
             )
             offset += len(text)
         return result
@@ -112,27 +172,40 @@ class OpenAIServingCompletion(OpenAIServing):
         stream: RequestStream,
         response: CompletionResponse,
         prompts: list[list[int]],
+        n: int,
         options: StreamOptions,
         logprobs: int | None,
+        echoes: list[str] | None,
     ) -> AsyncIterator[str]:
         num_tokens = 0
         offsets: dict[int, int] = {}
+        echoed: set[int] = set()
         chunks = ChunkEvents(response)
         async for batch in stream.batches():
             events = []
             for index, delta in batch:
                 out = delta.outputs[0]
                 num_tokens += len(out.token_ids)
-                choice_logprobs = None
+                echo = _Echo("", None)
+                if echoes is not None and index not in echoed:
+                    echoed.add(index)
+                    first = Choice(prompt_logprobs=delta.prompt_logprobs)
+                    echo = self._echo(index // n, prompts, echoes, first, logprobs)
+                choice_logprobs = echo.logprobs
+                start = offsets.get(index, 0) + len(echo.text)
                 if logprobs is not None and out.logprobs:
-                    start = offsets.get(index, 0)
-                    choice_logprobs = self._logprobs(out.token_ids, out.logprobs, start)
-                    offsets[index] = start + sum(len(t) for t in choice_logprobs.tokens)
-                if out.text == "" and choice_logprobs is None and not delta.finished:
+                    choice_logprobs = self._logprobs(
+                        out.token_ids, out.logprobs, start, echo.logprobs
+                    )
+                    start += sum(len(self.token_string(t)) for t in out.token_ids)
+                offsets[index] = start
+                text = echo.text + (out.text or "")
+                held = text == "" and choice_logprobs is None
+                if held and out.text is not None and not delta.finished:
                     continue  # held back (with no tokenizer text is None: always sent)
                 choice = CompletionResponseChoice(
                     index=index,
-                    text=out.text or "",
+                    text=text,
                     logprobs=choice_logprobs,
                     finish_reason=out.finish_reason,
                 )

@@ -42,7 +42,7 @@ from vllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm.outputs import CompletionOutput
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
@@ -104,12 +104,16 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
-    def add(self, delta: CompletionOutput) -> None:
-        self.text += delta.text or ""
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs or []
-        self.finish_reason = delta.finish_reason
+    def add(self, delta: RequestOutput) -> None:
+        out = delta.outputs[0]
+        self.text += out.text or ""
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 async def collect(stream: RequestStream, num_choices: int) -> list[Choice]:
@@ -117,7 +121,7 @@ async def collect(stream: RequestStream, num_choices: int) -> list[Choice]:
     choices = [Choice() for _ in range(num_choices)]
     try:
         async for index, delta in stream:
-            choices[index].add(delta.outputs[0])
+            choices[index].add(delta)
     finally:
         stream.abort()
     return choices
@@ -238,6 +242,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_field: str,
+        prompt_logprobs: int | None = None,
     ) -> list[SamplingParams]:
         """One per choice (``request.n``)."""
         if request.stop:
@@ -290,6 +295,7 @@ class OpenAIServing:
                     include_stop_str_in_output=request.include_stop_str_in_output,
                     skip_special_tokens=request.skip_special_tokens,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 for i in range(request.n)
             ]
