@@ -85,6 +85,13 @@ class Request:
         scheduled = len(self.output_token_ids) + self.num_pending_tokens
         return scheduled >= self.sampling_params.max_tokens
 
+    @property
+    def missing_prompt_logprobs(self) -> bool:
+        """Whether it asks for prompt log-probabilities and lacks some."""
+        return self.sampling_params.prompt_logprobs is not None and len(
+            self.prompt_logprobs
+        ) < len(self.prompt_token_ids)
+
     def add_prompt_logprobs(
         self, first_token: int, entries: list[dict[int, float]]
     ) -> None:

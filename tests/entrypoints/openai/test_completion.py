@@ -222,15 +222,25 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, server):
 
 
 def test_streamed_echo_starts_every_choice_with_the_prompt(client):
-    kwargs = dict(model=MODEL, prompt=[PROMPT, "x = 1"], max_tokens=5, n=2)
-    kwargs |= dict(temperature=0, echo=True)
-    whole = client.completions.create(**kwargs).choices
+    prompts = [PROMPT, "x = '🙂中文' # ünï"]  # characters split over tokens
+    kwargs = dict(model=MODEL, prompt=prompts, max_tokens=5, n=2)
+    kwargs |= dict(temperature=0, echo=True, logprobs=1)
+    whole = sorted(client.completions.create(**kwargs).choices, key=lambda c: c.index)
     texts = [""] * 4
+    logprobs: list[dict[str, list]] = [
+        {"tokens": [], "token_logprobs": [], "text_offset": []} for _ in range(4)
+    ]
     for chunk in client.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             if not texts[choice.index]:
-                prompt = PROMPT if choice.index < 2 else "x = 1"
-                assert choice.text.startswith(prompt)
+                assert choice.text.startswith(prompts[choice.index // 2])
             texts[choice.index] += choice.text
-    assert texts == [c.text for c in sorted(whole, key=lambda c: c.index)]
-    assert whole[2].text.startswith("x = 1") and whole[0].text.startswith(PROMPT)
+            for field, values in logprobs[choice.index].items():
+                values += getattr(choice.logprobs, field)
+    assert texts == [c.text for c in whole]
+    for choice, got in zip(whole, logprobs, strict=True):
+        offsets = choice.logprobs.text_offset
+        assert offsets == sorted(offsets)  # never back past the prompt
+        assert got["text_offset"] == offsets
+        assert got["tokens"] == choice.logprobs.tokens
+        assert got["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)

@@ -22,6 +22,9 @@ PROMPTS = [
     for n in torch.randint(1, 41, (12,), generator=_gen)
 ]
 PROMPTS[0] = PROMPTS[1][:]  # the same prompt twice: a cached prefix to refuse
+PROMPTS[3] = PROMPTS[3][:1]  # nothing to predict
+# 17 tokens: at a 16-token budget its second chunk is its last prompt token
+PROMPTS[7] = torch.randint(0, 320, (17,), generator=_gen).tolist()
 NUM_TOP = [3, 0, None, 5] * 3  # None: not asked
 
 
@@ -101,16 +104,17 @@ def test_prompt_logprobs_match_transformers(checkpoint, kwargs):
                 torch.testing.assert_close(entry[t], v, atol=1e-4, rtol=0)
 
 
-def test_too_many_prompt_logprobs_are_refused(checkpoint):
+def test_more_than_20_prompt_logprobs_are_refused(checkpoint):
     path, _ = checkpoint
     reset_workspace_manager()
     try:
         engine = EngineCore(
             EngineConfig(path, dtype="float32", device="cpu", prefix=next(_prefixes))
         )
-        request = Request("r", [1, 2], SamplingParams(prompt_logprobs=321))
-        with pytest.raises(ValueError, match="prompt_logprobs: expected <= 320"):
+        request = Request("r", [1, 2], SamplingParams(prompt_logprobs=21))
+        with pytest.raises(ValueError, match="prompt_logprobs: expected <= 20"):
             engine.add_request(request)
+        assert not engine.has_unfinished_requests()
     finally:
         reset_workspace_manager()
     with pytest.raises(ValueError, match="prompt_logprobs: expected None or >= 0"):

@@ -48,6 +48,7 @@ from vllm.v1.engine.async_llm import RequestStream
 class _Echo:
     text: str
     logprobs: CompletionLogProbs | None
+    end: int  # the text offset the generated tokens' log-probs start at
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -83,9 +84,8 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = self._echo(index // request.n, prompts, echoes, choice, logprobs)
             choice_logprobs = None
             if logprobs is not None:
-                offset = len(echo.text)
                 choice_logprobs = self._logprobs(
-                    choice.token_ids, choice.logprobs, offset, echo.logprobs
+                    choice.token_ids, choice.logprobs, echo.end, echo.logprobs
                 )
             response.choices.append(
                 CompletionResponseChoice(
@@ -135,14 +135,18 @@ class OpenAIServingCompletion(OpenAIServing):
         choice: Choice,
         logprobs: int | None,
     ) -> _Echo:
-        """What a choice's first text and log-probs start with."""
+        """What a choice's first text and log-probs start with (an aborted
+        request's may lack prompt log-probs)."""
         if echoes is None:
-            return _Echo("", None)
-        text = echoes[prompt_index]
-        if logprobs is None or choice.prompt_logprobs is None:
-            return _Echo(text, None)
-        ids = prompts[prompt_index]
-        return _Echo(text, self._logprobs(ids, choice.prompt_logprobs, 0))
+            return _Echo("", None, 0)
+        text, ids = echoes[prompt_index], prompts[prompt_index]
+        entries = choice.prompt_logprobs
+        if logprobs is None or entries is None or len(entries) != len(ids):
+            return _Echo(text, None, len(text))
+        echoed = self._logprobs(ids, entries, 0)
+        # the generated tokens' offsets go on from the prompt tokens' texts
+        # (vLLM's), which a character split over tokens makes longer
+        return _Echo(text, echoed, sum(len(t) for t in echoed.tokens))
 
     def _logprobs(
         self,
@@ -186,13 +190,13 @@ class OpenAIServingCompletion(OpenAIServing):
             for index, delta in batch:
                 out = delta.outputs[0]
                 num_tokens += len(out.token_ids)
-                echo = _Echo("", None)
+                echo = _Echo("", None, offsets.get(index, 0))
                 if echoes is not None and index not in echoed:
                     echoed.add(index)
                     first = Choice(prompt_logprobs=delta.prompt_logprobs)
                     echo = self._echo(index // n, prompts, echoes, first, logprobs)
                 choice_logprobs = echo.logprobs
-                start = offsets.get(index, 0) + len(echo.text)
+                start = echo.end
                 if logprobs is not None and out.logprobs:
                     choice_logprobs = self._logprobs(
                         out.token_ids, out.logprobs, start, echo.logprobs

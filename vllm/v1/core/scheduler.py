@@ -135,16 +135,15 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a step in flight
                 break
-            cached = []
-            if request.sampling_params.prompt_logprobs is None:  # needs every row
-                cached = self.pool.cached_prefix(request)
+            wants_rows = request.missing_prompt_logprobs  # every row's logits
+            cached = [] if wants_rows else self.pool.cached_prefix(request)
             start = len(cached) * self.pool.block_size
             end = min(request.num_tokens, start + budget)
             if self.pool.allocate(request.request_id, end, cached) is None:
                 break
             if request.num_cached_tokens is None:  # not a resumed request
                 request.num_cached_tokens = start
-                if self.pool.enable_caching:
+                if self.pool.enable_caching and not wants_rows:
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += start
             self.waiting.popleft()

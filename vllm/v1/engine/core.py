@@ -58,7 +58,11 @@ from vllm.utils import to_device
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.request import Request
-from vllm.v1.sample.prompt_logprobs import PromptLogprobsBatch, PromptRows
+from vllm.v1.sample.prompt_logprobs import (
+    MAX_PROMPT_LOGPROBS,
+    PromptLogprobsBatch,
+    PromptRows,
+)
 from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
@@ -386,15 +390,16 @@ class EngineCore:
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs: expected <= {vocab}, got {params.logprobs}")
         if params.prompt_logprobs is not None:
-            if params.prompt_logprobs > vocab:
+            if params.prompt_logprobs > MAX_PROMPT_LOGPROBS:
                 raise ValueError(
-                    f"prompt_logprobs: expected <= {vocab}, got "
+                    f"prompt_logprobs: expected <= {MAX_PROMPT_LOGPROBS}, got "
                     f"{params.prompt_logprobs}"
                 )
             if self.runner.dp_group is not None or self.config.enable_dbo:
                 raise ValueError(
-                    "prompt_logprobs: not supported with data parallelism or "
-                    "dual-batch overlap (their steps do not run eagerly alone)"
+                    "prompt_logprobs: not supported where ranks or micro-batches "
+                    "agree on CUDA graphs (data parallelism with graphs, "
+                    "dual-batch overlap): such a step runs eagerly on its own"
                 )
         if params.logit_bias and (largest := max(params.logit_bias)) >= vocab:
             raise ValueError(f"logit_bias: expected token ids < {vocab}, got {largest}")
@@ -500,13 +505,15 @@ class EngineCore:
         for chunk in chunks:
             request = chunk.request
             num_top = request.sampling_params.prompt_logprobs
-            last = min(chunk.end, len(request.prompt_token_ids) - 1)
-            if num_top is not None and chunk.start < last:
-                rows += range(offset, offset + last - chunk.start)
-                targets = request.prompt_token_ids[chunk.start + 1 : last + 1]
-                prompt_rows.append(
-                    PromptRows(request, chunk.start + 1, targets, num_top)
-                )
+            if num_top is not None:  # (few requests: the check comes first)
+                # past the positions whose tokens it has (a recomputed prompt)
+                first = max(chunk.start, len(request.prompt_logprobs) - 1)
+                last = min(chunk.end, len(request.prompt_token_ids) - 1)
+                if first < last:
+                    skip = offset + first - chunk.start
+                    rows += range(skip, skip + last - first)
+                    targets = request.prompt_token_ids[first + 1 : last + 1]
+                    prompt_rows.append(PromptRows(request, first + 1, targets, num_top))
             offset += chunk.end - chunk.start
         return rows, prompt_rows
 

@@ -153,7 +153,8 @@ class EngineCoreLoop:
                     request.output_logprobs[num_sent:] if wants_logprobs else None,
                     request.top_logprobs[num_sent:] if wants_logprobs else None,
                     request.finish_reason,
-                    request.prompt_logprobs if first_with_prompt else None,
+                    # a copy: an abort may come before the last rows resolve
+                    list(request.prompt_logprobs) if first_with_prompt else None,
                 )
             )
             if request.finish_reason is None:

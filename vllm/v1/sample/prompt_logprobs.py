@@ -4,8 +4,10 @@ tokens before it, and the most likely alternatives (``prompt_logprobs``).
 A step that computes a requesting chunk keeps that chunk's hidden states;
 here they become logits a slice of rows at a time (a row of a 152k-token
 vocabulary is 0.6 MB in fp32: a whole 8k-token chunk at once would hold
-5 GB), and only the chosen and top-k log-probabilities leave the device,
-copied to the host behind the step's work as the sampled tokens are.
+5 GB; the profile run does not count a slice, so it comes out of the
+headroom ``gpu_memory_utilization`` leaves), and only the chosen and
+top-k log-probabilities leave the device, copied to the host behind the
+step's work as the sampled tokens are.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from vllm.utils import to_device
 from vllm.v1.request import Request
 from vllm.v1.sample.sampler import host_copy
 
-_ROWS_PER_SLICE = 512
+_ROWS_PER_SLICE = 256  # 152k-token vocabulary: ~230 MB of bf16 + fp32 logits
+# Top log-probabilities per prompt token at most (vLLM's max_logprobs): the
+# host builds a dict per prompt token of this many
+MAX_PROMPT_LOGPROBS = 20
 
 
 @dataclass
@@ -48,7 +53,9 @@ class PromptLogprobsBatch:
         chosen, top_values, top_ids = [], [], []
         for start in range(0, hidden.shape[0], _ROWS_PER_SLICE):
             rows = slice(start, start + _ROWS_PER_SLICE)
-            logprobs = torch.log_softmax(compute_logits(hidden[rows]).float(), -1)
+            logprobs = torch.log_softmax(
+                compute_logits(hidden[rows]), -1, dtype=torch.float32
+            )
             chosen.append(logprobs.gather(1, targets[rows, None]).squeeze(1))
             values, ids = logprobs.topk(num_top, dim=-1)
             top_values.append(values)
