@@ -244,3 +244,24 @@ def test_streamed_echo_starts_every_choice_with_the_prompt(client):
         assert got["text_offset"] == offsets
         assert got["tokens"] == choice.logprobs.tokens
         assert got["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server):
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, logprobs=1, echo=True)
+    full = client.completions.create(max_tokens=3, **kwargs).choices[0].logprobs
+    out = client.completions.create(max_tokens=0, **kwargs)
+    (choice,) = out.choices
+    num_prompt = prompt_len(server, PROMPT)
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == full.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        full.token_logprobs[:num_prompt]
+    )
+    text, tokens = "", []
+    for chunk in client.completions.create(max_tokens=0, stream=True, **kwargs):
+        for streamed in chunk.choices:
+            text += streamed.text
+            tokens += streamed.logprobs.tokens if streamed.logprobs else []
+    assert (text, tokens) == (PROMPT, choice.logprobs.tokens)
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)

@@ -10,6 +10,9 @@ vLLM does). ``echo: true`` puts the prompt before each choice's text (a
 stream's first event of the choice carries it) and, with ``logprobs``, the
 prompt tokens' log-probs before the generated ones', the first ``null``
 (nothing predicts it): what evaluation harnesses score prompts with.
+``max_tokens: 0`` is allowed with ``echo`` alone (vLLM's): the engine
+samples one token, which the response leaves out, so it holds the prompt
+and its log-probs only.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from fastapi.responses import Response
@@ -61,9 +64,16 @@ class OpenAIServingCompletion(OpenAIServing):
             echoes = await off_the_loop(self._echoes, request.prompt, prompts)
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo else None
+        prompt_only = request.max_tokens == 0
+        if prompt_only and not request.echo:
+            raise OpenAIError(
+                "max_tokens: expected >= 1 (0 only with echo: the prompt alone)",
+                param="max_tokens",
+            )
+        max_tokens = 1 if prompt_only else request.max_tokens
         params = [
             self.sampling_params(
-                request, p, request.max_tokens, logprobs, "prompt", prompt_logprobs
+                request, p, max_tokens, logprobs, "prompt", prompt_logprobs
             )
             for p in prompts
         ]
@@ -76,10 +86,13 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         if request.stream:
             events = self._events(
-                stream, response, prompts, request.n, options, logprobs, echoes
-            )
+                stream, response, prompts, request.n, options, logprobs, echoes,
+                prompt_only,
+            )  # fmt: skip
             return sse_response(events, stream)
         choices = await collect(stream, len(prompts) * request.n)
+        if prompt_only:
+            choices = [replace(c, text="", token_ids=[], logprobs=[]) for c in choices]
         for index, choice in enumerate(choices):
             echo = self._echo(index // request.n, prompts, echoes, choice, logprobs)
             choice_logprobs = None
@@ -180,6 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
         options: StreamOptions,
         logprobs: int | None,
         echoes: list[str] | None,
+        prompt_only: bool,
     ) -> AsyncIterator[str]:
         num_tokens = 0
         offsets: dict[int, int] = {}
@@ -189,6 +203,8 @@ class OpenAIServingCompletion(OpenAIServing):
             events = []
             for index, delta in batch:
                 out = delta.outputs[0]
+                if prompt_only:
+                    out = replace(out, text="", token_ids=[], logprobs=None)
                 num_tokens += len(out.token_ids)
                 echo = _Echo("", None, offsets.get(index, 0))
                 if echoes is not None and index not in echoed:
