@@ -257,7 +257,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server):
     assert choice.logprobs.token_logprobs == pytest.approx(
         full.token_logprobs[:num_prompt]
     )
-    text, tokens = "", []
+    text, tokens = "", list[str]()
     for chunk in client.completions.create(max_tokens=0, stream=True, **kwargs):
         for streamed in chunk.choices:
             text += streamed.text
