@@ -23,3 +23,5 @@ class RequestOutput:
     # Under prompt_logprobs, per prompt token (None for the first); a
     # stream's first output carries them.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Prompt tokens found in the prefix cache (a stream's first output)
+    num_cached_tokens: int | None = None

@@ -87,6 +87,18 @@ def test_prompt_logprobs_come_with_the_output(llm):
         assert max(entry.values()) <= 0
 
 
+def test_outputs_count_the_prompt_tokens_found_in_the_cache(llm):
+    engine, _ = llm
+    prompt = "def load(fp, *, cls=None, object_hook=None, parse_float=None): " * 2
+    params = SamplingParams(max_tokens=1)
+    (first,) = engine.generate(prompt, params)
+    (again,) = engine.generate(prompt, params)
+    assert len(first.prompt_token_ids) >= 32 and first.num_cached_tokens == 0
+    assert again.num_cached_tokens is not None
+    assert len(first.prompt_token_ids) - 16 <= again.num_cached_tokens
+    assert again.num_cached_tokens < len(first.prompt_token_ids)
+
+
 def test_bad_prompts_name_their_index(llm):
     engine, _ = llm
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: 100 tokens"):

@@ -170,4 +170,5 @@ class LLM:
             request.prompt_token_ids,
             [completion],
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=request.num_cached_tokens,
         )

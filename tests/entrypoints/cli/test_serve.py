@@ -24,7 +24,7 @@ FLAGS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--enforce-eager", "--seed",
     "--chat-template", "--tensor-parallel-size", "--data-parallel-size",
     "--enable-expert-parallel", "--all2all-backend", "--enable-prefix-caching",
-    "--generation-config", "--reasoning-parser",
+    "--generation-config", "--reasoning-parser", "--enable-prompt-tokens-details",
 ]  # fmt: skip
 
 

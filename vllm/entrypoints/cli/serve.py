@@ -143,6 +143,12 @@ def add_serve_parser(
         help="A Jinja chat template, or a file holding one (default: the tokenizer's).",
     )
     parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Report in usage.prompt_tokens_details how many prompt tokens the "
+        "prefix cache held (default: off).",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=None,

@@ -169,6 +169,7 @@ def build_app(
     stat_logger: PrometheusStatLogger,
     api_key: str | None = None,
     reasoning_parser: str | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -180,11 +181,12 @@ def build_app(
     app.state.server = ServerState(
         engine,
         models,
-        OpenAIServingCompletion(engine, models),
+        OpenAIServingCompletion(engine, models, enable_prompt_tokens_details),
         OpenAIServingChat(
             engine,
             models,
             None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser](),
+            enable_prompt_tokens_details,
         ),
         OpenAIServingTokenization(engine, models),
         stat_logger,
@@ -297,6 +299,13 @@ def run_server(args: argparse.Namespace) -> None:
     stat_logger = PrometheusStatLogger(names[0])
     engine = build_async_engine(args, stat_logger)
     models = OpenAIServingModels(names, str(args.model), engine.max_model_len)
-    app = build_app(engine, models, stat_logger, args.api_key, args.reasoning_parser)
+    app = build_app(
+        engine,
+        models,
+        stat_logger,
+        args.api_key,
+        args.reasoning_parser,
+        args.enable_prompt_tokens_details,
+    )
     logger.info("Serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -54,10 +54,16 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with --enable-prompt-tokens-details (vLLM's)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SamplingRequest(RequestModel):

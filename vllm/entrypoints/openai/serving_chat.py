@@ -94,8 +94,9 @@ class OpenAIServingChat(OpenAIServing):
         engine: AsyncLLM,
         models: OpenAIServingModels,
         reasoning_parser: Qwen3ReasoningParser | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
-        super().__init__(engine, models)
+        super().__init__(engine, models, enable_prompt_tokens_details)
         self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
@@ -149,7 +150,11 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for index, choice in enumerate(choices)
             ],
-            usage=usage([prompt], sum(len(c.token_ids) for c in choices)),
+            usage=usage(
+                [prompt],
+                sum(len(c.token_ids) for c in choices),
+                self.cached_tokens([choices[0].num_cached_tokens]),
+            ),
         )
         return json_response(result)
 
@@ -194,11 +199,14 @@ class OpenAIServingChat(OpenAIServing):
             role = DeltaMessage(role="assistant", content="")
             yield event(ChatCompletionResponseStreamChoice(index=index, delta=role))
         num_tokens = 0
+        cached = 0  # the first choice's, as the prompt's
         async for batch in stream.batches():
             events = []
             for index, delta in batch:
                 out = delta.outputs[0]
                 num_tokens += len(out.token_ids)
+                if index == 0 and delta.num_cached_tokens is not None:
+                    cached = delta.num_cached_tokens
                 logprobs = None
                 if top is not None and out.logprobs:
                     logprobs = self._logprobs(out.token_ids, out.logprobs, top)
@@ -221,5 +229,11 @@ class OpenAIServingChat(OpenAIServing):
                 yield "".join(events)  # one write for the batch
         if options.include_usage:
             yield sse(
-                response.model_copy(update={"usage": usage([prompt], num_tokens)})
+                response.model_copy(
+                    update={
+                        "usage": usage(
+                            [prompt], num_tokens, self.cached_tokens([cached])
+                        )
+                    }
+                )
             )

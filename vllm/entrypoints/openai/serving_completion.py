@@ -109,7 +109,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
             )
         num_tokens = sum(len(c.token_ids) for c in choices)
-        response.usage = usage(prompts, num_tokens)
+        cached = [choices[i * request.n].num_cached_tokens for i in range(len(prompts))]
+        response.usage = usage(prompts, num_tokens, self.cached_tokens(cached))
         return json_response(response)
 
     def _prompt_ids(
@@ -196,6 +197,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_only: bool,
     ) -> AsyncIterator[str]:
         num_tokens = 0
+        cached: dict[int, int] = {}
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
         chunks = ChunkEvents(response)
@@ -203,6 +205,8 @@ class OpenAIServingCompletion(OpenAIServing):
             events = []
             for index, delta in batch:
                 out = delta.outputs[0]
+                if delta.num_cached_tokens is not None:
+                    cached[index] = delta.num_cached_tokens
                 if prompt_only:
                     out = replace(out, text="", token_ids=[], logprobs=None)
                 num_tokens += len(out.token_ids)
@@ -233,4 +237,6 @@ class OpenAIServingCompletion(OpenAIServing):
             if events:
                 yield "".join(events)  # one write for the batch
         if options.include_usage:
-            yield sse(response.model_copy(update={"usage": usage(prompts, num_tokens)}))
+            per_prompt = [cached.get(i * n, 0) for i in range(len(prompts))]
+            total = usage(prompts, num_tokens, self.cached_tokens(per_prompt))
+            yield sse(response.model_copy(update={"usage": total}))

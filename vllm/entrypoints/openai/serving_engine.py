@@ -37,6 +37,7 @@ from vllm.entrypoints.openai.errors import OpenAIError, from_value_error
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
     ChatTemplateOptions,
+    PromptTokensDetails,
     SamplingRequest,
     StreamOptions,
     UsageInfo,
@@ -105,6 +106,7 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
 
     def add(self, delta: RequestOutput) -> None:
         out = delta.outputs[0]
@@ -114,6 +116,8 @@ class Choice:
         self.finish_reason = out.finish_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
 
 
 async def collect(stream: RequestStream, num_choices: int) -> list[Choice]:
@@ -127,13 +131,22 @@ async def collect(stream: RequestStream, num_choices: int) -> list[Choice]:
     return choices
 
 
-def usage(prompts: list[list[int]], num_completion_tokens: int) -> UsageInfo:
-    """Prompt tokens count once per prompt, whatever ``n``."""
+def usage(
+    prompts: list[list[int]],
+    num_completion_tokens: int,
+    cached_tokens: list[int] | None = None,
+) -> UsageInfo:
+    """Prompt tokens count once per prompt, whatever ``n``; with
+    ``cached_tokens`` (per prompt: its first choice's), their details."""
     num_prompt = sum(len(p) for p in prompts)
+    details = None
+    if cached_tokens is not None:
+        details = PromptTokensDetails(cached_tokens=sum(cached_tokens))
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt + num_completion_tokens,
+        prompt_tokens_details=details,
     )
 
 
@@ -150,11 +163,22 @@ async def off_the_loop(function: Callable[..., T], *args: Any) -> T:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        enable_prompt_tokens_details: bool = False,
+    ) -> None:
         self.engine = engine
         self.models = models
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer: Any = engine.tokenizer
         self._token_strings: dict[int, str] = {}
+
+    def cached_tokens(self, per_prompt: list[int]) -> list[int] | None:
+        """What ``usage`` reports of the prompts' cached tokens: nothing
+        unless ``--enable-prompt-tokens-details``."""
+        return per_prompt if self.enable_prompt_tokens_details else None
 
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:

@@ -300,6 +300,7 @@ class AsyncLLM:
                 [CompletionOutput(text, new, finish_reason, logprobs)],
                 finished,
                 output.prompt_logprobs,
+                output.num_cached_tokens,
             )
             deliveries.append((tracked.queue, (tracked.index, delta)))
             if finished:

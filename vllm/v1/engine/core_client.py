@@ -84,8 +84,10 @@ class EngineCoreOutput:
     new_logprobs: list[float] | None  # None unless the request asked for them
     new_top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
-    # In a request's first output, under prompt_logprobs
+    # In a request's first output: under prompt_logprobs, those; and the
+    # prompt tokens found in the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -155,6 +157,7 @@ class EngineCoreLoop:
                     request.finish_reason,
                     # a copy: an abort may come before the last rows resolve
                     list(request.prompt_logprobs) if first_with_prompt else None,
+                    request.num_cached_tokens if num_sent == 0 else None,
                 )
             )
             if request.finish_reason is None:
