@@ -253,6 +253,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server):
     (choice,) = out.choices
     num_prompt = prompt_len(server, PROMPT)
     assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    assert choice.finish_reason == "length"
     assert choice.logprobs.tokens == full.tokens[:num_prompt]
     assert choice.logprobs.token_logprobs == pytest.approx(
         full.token_logprobs[:num_prompt]
@@ -265,3 +266,5 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, server):
     assert (text, tokens) == (PROMPT, choice.logprobs.tokens)
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="and no min_tokens"):
+        client.completions.create(max_tokens=0, extra_body={"min_tokens": 1}, **kwargs)

@@ -1,6 +1,6 @@
 """``--enable-prompt-tokens-details``: usage says how many prompt tokens the
 prefix cache held, streamed or not, for completions and chat; without the
-flag (the shared server) usage has no details."""
+flag (the shared server) ``prompt_tokens_details`` is null (as vLLM's)."""
 
 from collections.abc import Iterator
 from pathlib import Path

@@ -181,12 +181,14 @@ def build_app(
     app.state.server = ServerState(
         engine,
         models,
-        OpenAIServingCompletion(engine, models, enable_prompt_tokens_details),
+        OpenAIServingCompletion(
+            engine, models, enable_prompt_tokens_details=enable_prompt_tokens_details
+        ),
         OpenAIServingChat(
             engine,
             models,
             None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser](),
-            enable_prompt_tokens_details,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
         ),
         OpenAIServingTokenization(engine, models),
         stat_logger,

@@ -11,8 +11,10 @@ stream's first event of the choice carries it) and, with ``logprobs``, the
 prompt tokens' log-probs before the generated ones', the first ``null``
 (nothing predicts it): what evaluation harnesses score prompts with.
 ``max_tokens: 0`` is allowed with ``echo`` alone (vLLM's): the engine
-samples one token, which the response leaves out, so it holds the prompt
-and its log-probs only.
+samples one token, which the response leaves out (its text, log-probs,
+usage and finish reason: "length"), so it holds the prompt and its
+log-probs only; the prompt must leave that token room in
+``max_model_len`` (vLLM's does not need to).
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo else None
         prompt_only = request.max_tokens == 0
-        if prompt_only and not request.echo:
+        if prompt_only and (not request.echo or request.min_tokens):
             raise OpenAIError(
-                "max_tokens: expected >= 1 (0 only with echo: the prompt alone)",
+                "max_tokens: expected >= 1 (0 only with echo and no min_tokens: "
+                "the prompt alone)",
                 param="max_tokens",
             )
         max_tokens = 1 if prompt_only else request.max_tokens
@@ -86,13 +89,22 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         if request.stream:
             events = self._events(
-                stream, response, prompts, request.n, options, logprobs, echoes,
-                prompt_only,
-            )  # fmt: skip
+                stream,
+                response,
+                prompts,
+                n=request.n,
+                options=options,
+                logprobs=logprobs,
+                echoes=echoes,
+                prompt_only=prompt_only,
+            )
             return sse_response(events, stream)
         choices = await collect(stream, len(prompts) * request.n)
         if prompt_only:
-            choices = [replace(c, text="", token_ids=[], logprobs=[]) for c in choices]
+            choices = [
+                replace(c, text="", token_ids=[], logprobs=[], finish_reason="length")
+                for c in choices
+            ]
         for index, choice in enumerate(choices):
             echo = self._echo(index // request.n, prompts, echoes, choice, logprobs)
             choice_logprobs = None
@@ -208,7 +220,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if delta.num_cached_tokens is not None:
                     cached[index] = delta.num_cached_tokens
                 if prompt_only:
-                    out = replace(out, text="", token_ids=[], logprobs=None)
+                    reason = out.finish_reason and "length"
+                    out = replace(
+                        out, text="", token_ids=[], logprobs=None, finish_reason=reason
+                    )
                 num_tokens += len(out.token_ids)
                 echo = _Echo("", None, offsets.get(index, 0))
                 if echoes is not None and index not in echoed:
