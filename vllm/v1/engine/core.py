@@ -61,7 +61,7 @@ from vllm.v1.request import Request
 from vllm.v1.sample.prompt_logprobs import (
     MAX_PROMPT_LOGPROBS,
     PromptLogprobsBatch,
-    PromptRows,
+    prompt_rows_of,
 )
 from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -460,7 +460,7 @@ class EngineCore:
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         sampling = [c for c in chunks if c.samples]
         params = [c.request.sampling_params for c in sampling]
-        rows, prompt_rows = self._prompt_rows(chunks)
+        rows, prompt_rows = prompt_rows_of(chunks)
         prompt_logprobs = None
         with self.runner.on_stream():  # the step's logits are read there
             if prompt_rows:
@@ -492,30 +492,6 @@ class EngineCore:
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
         return _Launched(chunks, sampling, sampled, done, prompt_logprobs)
-
-    @staticmethod
-    def _prompt_rows(
-        chunks: list[ScheduledChunk],
-    ) -> tuple[list[int], list[PromptRows]]:
-        """The step's rows whose logits give prompt log-probabilities: row
-        ``p`` (a position) predicts prompt token ``p + 1``."""
-        rows: list[int] = []
-        prompt_rows = []
-        offset = 0
-        for chunk in chunks:
-            request = chunk.request
-            num_top = request.sampling_params.prompt_logprobs
-            if num_top is not None:  # (few requests: the check comes first)
-                # past the positions whose tokens it has (a recomputed prompt)
-                first = max(chunk.start, len(request.prompt_logprobs) - 1)
-                last = min(chunk.end, len(request.prompt_token_ids) - 1)
-                if first < last:
-                    skip = offset + first - chunk.start
-                    rows += range(skip, skip + last - first)
-                    targets = request.prompt_token_ids[first + 1 : last + 1]
-                    prompt_rows.append(PromptRows(request, first + 1, targets, num_top))
-            offset += chunk.end - chunk.start
-        return rows, prompt_rows
 
     @staticmethod
     def _banned(requests: list[Request]) -> dict[int, list[int]]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.utils import to_device
+from vllm.v1.core.scheduler import ScheduledChunk
 from vllm.v1.request import Request
 from vllm.v1.sample.sampler import host_copy
 
@@ -36,6 +37,30 @@ class PromptRows:
     first_token: int
     targets: list[int]  # the prompt tokens those rows predict
     num_top: int
+
+
+def prompt_rows_of(
+    chunks: list[ScheduledChunk],
+) -> tuple[list[int], list[PromptRows]]:
+    """The step's rows whose logits give prompt log-probabilities (row of
+    position ``p`` predicts prompt token ``p + 1``), and their chunks'."""
+    rows: list[int] = []
+    prompt_rows = []
+    offset = 0
+    for chunk in chunks:
+        request = chunk.request
+        num_top = request.sampling_params.prompt_logprobs
+        if num_top is not None:  # (few requests: the check comes first)
+            # past the positions whose tokens it has (a recomputed prompt)
+            first = max(chunk.start, len(request.prompt_logprobs) - 1)
+            last = min(chunk.end, len(request.prompt_token_ids) - 1)
+            if first < last:
+                skip = offset + first - chunk.start
+                rows += range(skip, skip + last - first)
+                targets = request.prompt_token_ids[first + 1 : last + 1]
+                prompt_rows.append(PromptRows(request, first + 1, targets, num_top))
+        offset += chunk.end - chunk.start
+    return rows, prompt_rows
 
 
 class PromptLogprobsBatch:
