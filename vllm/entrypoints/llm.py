@@ -25,7 +25,8 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.generation_config import load_generation_defaults
 from vllm.transformers_utils.tokenizer import get_tokenizer
-from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.engine.dp_engine import DPEngineCore
 from vllm.v1.request import Request

@@ -17,7 +17,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
-from vllm.v1.engine.core import EngineConfig
+from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core_client import (
     Added,
     AddRequests,
@@ -168,7 +168,7 @@ def test_an_unstopped_client_does_not_hang_the_exit(checkpoint, tmp_path):
     down (or dies of an exception) still exits: the pipe closes first."""
     script = tmp_path / "leave.py"
     script.write_text(
-        "from vllm.v1.engine.core import EngineConfig\n"
+        "from vllm.v1.engine.config import EngineConfig\n"
         "from vllm.v1.engine.core_client import MPClient\n"
         "if __name__ == '__main__':  # spawn re-imports the script\n"
         f"    client = MPClient(EngineConfig({str(checkpoint)!r}, dtype='float32', "

@@ -21,7 +21,8 @@ from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe.prepare_finalize import ALL2ALL_BACKENDS
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.engine.dp_engine import DPEngineCore, DPEngineDeadError
 from vllm.v1.request import Request

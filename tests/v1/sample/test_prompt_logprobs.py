@@ -11,7 +11,8 @@ import torch
 
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 from vllm.v1.worker.workspace import reset_workspace_manager
 

@@ -13,7 +13,8 @@ from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoi
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.torch_paged import PagedAttentionMetadata
 from vllm.v1.core.scheduler import ScheduledChunk
-from vllm.v1.engine.core import EngineConfig, EngineCore
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (

@@ -246,7 +246,7 @@ def build_async_engine(
     ``--data-parallel-size`` > 1 (its workers stop with the engine)."""
     from vllm.transformers_utils.generation_config import load_generation_defaults
     from vllm.transformers_utils.tokenizer import get_tokenizer
-    from vllm.v1.engine.core import EngineConfig
+    from vllm.v1.engine.config import EngineConfig
     from vllm.v1.engine.core_client import MPClient
 
     tokenizer = get_tokenizer(args.model)

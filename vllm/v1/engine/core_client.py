@@ -41,7 +41,8 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats, StepShape
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore, SchedulerStats, StepShape
 from vllm.v1.request import Request
 
 logger = init_logger(__name__)

@@ -84,7 +84,8 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.logger import init_logger
-from vllm.v1.engine.core import EngineConfig, EngineCore, SchedulerStats, StepShape
+from vllm.v1.engine.config import EngineConfig
+from vllm.v1.engine.core import EngineCore, SchedulerStats, StepShape
 from vllm.v1.engine.core_client import limit_cpu_threads
 from vllm.v1.engine.dp_lockstep import (
     ControlGroups,
