@@ -56,6 +56,13 @@ class _Echo:
     end: int  # the text offset the generated tokens' log-probs start at
 
 
+def _text_end(logprobs: CompletionLogProbs) -> int:
+    """The text offset just past these tokens'."""
+    if not logprobs.tokens:
+        return 0
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> Response:
         self.models.check(request.model)
@@ -172,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = self._logprobs(ids, entries, 0)
         # the generated tokens' offsets go on from the prompt tokens' texts
         # (vLLM's), which a character split over tokens makes longer
-        return _Echo(text, echoed, sum(len(t) for t in echoed.tokens))
+        return _Echo(text, echoed, _text_end(echoed))
 
     def _logprobs(
         self,
@@ -236,7 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice_logprobs = self._logprobs(
                         out.token_ids, out.logprobs, start, echo.logprobs
                     )
-                    start += sum(len(self.token_string(t)) for t in out.token_ids)
+                    start = _text_end(choice_logprobs)
                 offsets[index] = start
                 text = echo.text + (out.text or "")
                 held = text == "" and choice_logprobs is None
