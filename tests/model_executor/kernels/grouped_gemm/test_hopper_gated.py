@@ -48,6 +48,7 @@ def kernel_args(
         "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
         "w_desc": hopper_common.k_box(w, hopper_common.BLOCK_N.value),
         "w_scale_ptr": torch.empty(experts * n) if fp8 else act,
+        "w_steps_ptr": act,
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": act,
         "out_desc": hopper_common.descriptor(act, act_block),
@@ -67,7 +68,7 @@ def compile_kernels() -> None:
     kernel = hopper_gated._grouped_gemm_gated_warp_specialized_kernel
     gated, quantized = kernel_args(FP8_DTYPE)
     gated16, _ = kernel_args(torch.bfloat16)
-    consts = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0}
+    consts = {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0, "W4": False}
     compile_for_sm90(
         [
             (kernel, gated, {**consts, "QUANT": False}),

@@ -41,6 +41,7 @@ def kernel_args(operand: torch.dtype) -> dict[str, object]:
         "w_desc": hopper_common.k_box(w, hopper_common.BLOCK_N.value),
         "a_scale_ptr": torch.empty(rows) if fp8 else out,
         "w_scale_ptr": torch.empty(experts * n) if fp8 else out,
+        "w_steps_ptr": out,
         "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
         "out_ptr": out,
         "out_desc": hopper_common.descriptor(out, out_block),
@@ -57,9 +58,9 @@ def compile_kernels() -> None:
     kernel = hopper_plain._grouped_gemm_warp_specialized_kernel
     compile_for_sm90(
         [
-            (kernel, kernel_args(FP8_DTYPE), {"GROUPED": False}),
-            (kernel, kernel_args(FP8_DTYPE), {"GROUPED": True}),
-            (kernel, kernel_args(torch.bfloat16), {"GROUPED": False}),
+            (kernel, kernel_args(FP8_DTYPE), {"GROUPED": False, "W4": False}),
+            (kernel, kernel_args(FP8_DTYPE), {"GROUPED": True, "W4": False}),
+            (kernel, kernel_args(torch.bfloat16), {"GROUPED": False, "W4": False}),
         ]
     )
 

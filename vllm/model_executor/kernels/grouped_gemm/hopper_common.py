@@ -90,6 +90,7 @@ _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
     torch.bfloat16: gl.bfloat16,
     torch.float16: gl.float16,
+    torch.uint8: gl.uint8,  # packed uint4 weights
 }
 
 
@@ -183,7 +184,7 @@ def _mainloop(
     of the current step's scales: rescaled by old / new before each step's
     MMA, which needs the previous MMA finished. It is returned with the last
     step's scales. Otherwise the scales are ones."""
-    BLOCK_K: gl.constexpr = w_boxes.shape[2]
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
     acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
     scale = gl.full((SUB,), 1.0, gl.float32, gl.SliceLayout(1, acc_layout))
@@ -235,14 +236,16 @@ def _ring(
     w_desc,
     READY_ARRIVALS: gl.constexpr,
 ):
-    """The loader's ring of STAGES slots: A boxes (BLOCK_M rows), weight
-    boxes (BLOCK_N rows), both of the host's K box, and per slot a ready
-    barrier (``READY_ARRIVALS`` arrivals) and an empty one that both
-    consumers release; every slot starts free."""
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    a_boxes = gl.allocate_shared_memory(a_dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    """The loader's ring of STAGES slots: A boxes (BLOCK_M rows of K_BYTES),
+    weight boxes (BLOCK_N rows of the host's K box: the same K, or half of
+    it for packed uint4), and per slot a ready barrier (``READY_ARRIVALS``
+    arrivals) and an empty one that both consumers release; every slot
+    starts free."""
+    a_boxes = gl.allocate_shared_memory(
+        a_dtype, [STAGES, BLOCK_M, K_BYTES // _itemsize(a_dtype)], a_layout
+    )
     w_boxes = gl.allocate_shared_memory(
-        w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout
+        w_desc.dtype, [STAGES, BLOCK_N, w_desc.block_type.shape[1]], w_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -251,6 +254,13 @@ def _ring(
         mbarrier.init(empty.index(i), count=2)
         mbarrier.arrive(empty.index(i), count=2)
     return a_boxes, w_boxes, ready, empty
+
+
+@gluon.jit
+def _w_k(k, a_boxes, w_boxes):
+    """The weight box's K coordinate at A's column ``k`` (packed uint4
+    weights hold two columns per byte)."""
+    return k // (a_boxes.shape[2] // w_boxes.shape[2])
 
 
 @functools.cache  # building the layout costs ~6 us of host time per call
@@ -264,6 +274,8 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
-def k_box(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A ring box of ``rows`` rows of operand ``t`` [*, K]: K_BYTES of K."""
-    return descriptor(t, [rows, K_BYTES.value // t.element_size()])
+def k_box(t: torch.Tensor, rows: int, packed: bool = False) -> TensorDescriptor:
+    """A ring box of ``rows`` rows of operand ``t`` [*, K]: K_BYTES of K, or
+    for ``packed`` uint4 weights (two K columns per byte) the half that
+    pairs with an fp8 A box."""
+    return descriptor(t, [rows, K_BYTES.value // t.element_size() // (1 + packed)])

@@ -33,6 +33,7 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     BLOCK_N,
     CONSUMER_REGS,
     GATHER_WARPS,
+    K_BYTES,
     LOADER_REGS,
     STAGES,
     SUB,
@@ -50,8 +51,14 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     _tma_load,
     _tma_store,
     _total,
+    _w_k,
     descriptor,
     k_box,
+)
+from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import (
+    w4_buffers,
+    w4_mainloop,
+    w4_skip,
 )
 
 
@@ -74,7 +81,7 @@ def _gather_loader(
     """The gated GEMM's loader: each row's token from the unpermuted input by
     cp.async (rows past the expert's end and K read as zeros), the weight
     rows by TMA; the slot is ready when both have landed."""
-    BLOCK_K: gl.constexpr = w_boxes.shape[2]
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
     # 16 bytes per thread, 8 threads per 128-byte row.
     layout: gl.constexpr = gl.BlockedLayout(
         [1, BLOCK_K // 8], [4, 8], [GATHER_WARPS, 1], [1, 0]
@@ -105,11 +112,12 @@ def _gather_loader(
             # GATHER_WARPS * 32 + 1 arrivals the slot expects).
             async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
             mbarrier.expect(
-                ready.index(slot), BLOCK_N * BLOCK_K * _itemsize(w_boxes.dtype)
+                ready.index(slot),
+                BLOCK_N * w_boxes.shape[2] * _itemsize(w_boxes.dtype),
             )
             _tma_load(
                 w_desc,
-                [expert * W_N + n_tile * BLOCK_N, k],
+                [expert * W_N + n_tile * BLOCK_N, _w_k(k, a_boxes, w_boxes)],
                 ready.index(slot),
                 w_boxes.index(slot),
             )
@@ -119,11 +127,13 @@ def _gather_loader(
 @gluon.jit
 def _gated_consumer(
     shared,
+    w4,
     HALF: gl.constexpr,
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
     QUANT: gl.constexpr,
+    W4: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     (
@@ -131,6 +141,7 @@ def _gated_consumer(
         src_routes_ptr,
         topk,
         w_scale_ptr,
+        w_steps_ptr,
         offsets_ptr,
         out_ptr,
         out_desc,
@@ -143,6 +154,7 @@ def _gated_consumer(
         ready,
         empty,
     ) = shared
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
     acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -158,9 +170,38 @@ def _gated_consumer(
         )
         first_row = row_start + HALF * SUB
         if first_row < row_end:
-            acc, _, step = _mainloop(
-                a_boxes, w_boxes, ready, empty, step, K, None, None, HALF, True, False
+            w_rows = n_tile * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
             )
+            if not W4:
+                acc, _, step = _mainloop(
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    step,
+                    K,
+                    None,
+                    None,
+                    HALF,
+                    True,
+                    False,
+                )
+            else:
+                acc, step = w4_mainloop(
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    step,
+                    K,
+                    w4,
+                    w_steps_ptr + expert * (K // BLOCK_K) * 2 * inter + w_rows,
+                    w_rows < 2 * inter,
+                    2 * inter,
+                    HALF,
+                    True,
+                )
             if _scaled(w_boxes.dtype):
                 rows = first_row + gl.arange(
                     0, SUB, layout=gl.SliceLayout(1, acc_layout)
@@ -168,9 +209,6 @@ def _gated_consumer(
                 row_ok = rows < row_end
                 tokens = gl.load(src_routes_ptr + rows, mask=row_ok, other=0) // topk
                 a_scale = gl.load(a_scale_ptr + tokens, mask=row_ok, other=0.0)
-                w_rows = n_tile * BLOCK_N + gl.arange(
-                    0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
-                )
                 w_scale = gl.load(
                     w_scale_ptr + expert * 2 * inter + w_rows,
                     mask=w_rows < 2 * inter,
@@ -210,8 +248,10 @@ def _gated_consumer(
                     y,
                     mask=(out_rows < row_end)[:, None] & (out_cols < inter)[None, :],
                 )
+        elif not W4:
+            step = _skip(ready, empty, step, K, BLOCK_K)
         else:
-            step = _skip(ready, empty, step, K, w_boxes.shape[2])
+            step = w4_skip(w_boxes, ready, empty, step, K, w4, BLOCK_K, HALF)
     tma.store_wait(0)
 
 
@@ -222,6 +262,7 @@ def _grouped_gemm_gated_warp_specialized_kernel(
     src_routes_ptr,
     w_desc,
     w_scale_ptr,
+    w_steps_ptr,
     offsets_ptr,
     out_ptr,
     out_desc,
@@ -234,21 +275,26 @@ def _grouped_gemm_gated_warp_specialized_kernel(
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
     QUANT: gl.constexpr,
+    W4: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
+    a_dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M, w_desc.block_type.shape[1]], w_desc.dtype
+        [BLOCK_M, K_BYTES // _itemsize(a_dtype)], a_dtype
     )
     # A slot is ready once every gathering thread's copies and the weights'
     # TMA box have landed.
     a_boxes, w_boxes, ready, empty = _ring(
-        w_desc.dtype, a_layout, w_desc, GATHER_WARPS * 32 + 1
+        a_dtype, a_layout, w_desc, GATHER_WARPS * 32 + 1
     )
+    # warp_specialize takes no None: without W4 the tuple is never read.
+    w4 = w4_buffers() if W4 else (w_boxes, ready, empty)
     shared = (  # the consumers' arguments, but for their half
         a_scale_ptr,
         src_routes_ptr,
         topk,
         w_scale_ptr,
+        w_steps_ptr,
         offsets_ptr,
         out_ptr,
         out_desc,
@@ -263,8 +309,8 @@ def _grouped_gemm_gated_warp_specialized_kernel(
     )
     gl.warp_specialize(
         [
-            (_gated_consumer, (shared, 0, MODE, ALPHA, LIMIT, QUANT, BLOCK_E)),
-            (_gated_consumer, (shared, 1, MODE, ALPHA, LIMIT, QUANT, BLOCK_E)),
+            (_gated_consumer, (shared, w4, 0, MODE, ALPHA, LIMIT, QUANT, W4, BLOCK_E)),
+            (_gated_consumer, (shared, w4, 1, MODE, ALPHA, LIMIT, QUANT, W4, BLOCK_E)),
             (
                 _gather_loader,
                 (
@@ -300,14 +346,16 @@ def launch_gated(
     activation: str,
     out: torch.Tensor,
     out_scale: torch.Tensor | None = None,
+    w13_steps: torch.Tensor | None = None,
 ) -> None:
     """Runs the gated kernel on arguments :func:`~.api.grouped_gemm_gated`
-    has checked (shapes, dtypes, TMA alignment of ``w13``) and
-    :func:`~.dispatch.hopper_supports_gated` accepts; scales as in
+    (or :func:`~.w4a8.grouped_gemm_w4a8_gated`) has checked (shapes, dtypes,
+    TMA alignment of ``w13``) and :func:`~.dispatch.hopper_supports_gated`
+    accepts; scales and packed uint4 weights (``w13_steps``) as in
     :func:`~.hopper_plain.launch`, and an fp8 ``out`` takes per-group row
     scales ``out_scale`` [R, act_groups(I)]."""
     assert (a_scale is None) == (w13_scale is None) == (a.element_size() == 2)
-    num_experts, w_n, k = w13.shape
+    num_experts, w_n, k = *w13.shape[:2], a.shape[1]
     rows, inter = out.shape
     programs = persistent_programs(
         a.device, rows, num_experts, BLOCK_M.value, triton.cdiv(w_n, BLOCK_N.value)
@@ -316,8 +364,9 @@ def launch_gated(
         a,
         out if a_scale is None else a_scale,  # scales are never read for 16 bits
         src_routes,
-        k_box(w13.view(-1, k), BLOCK_N.value),
+        k_box(w13.view(num_experts * w_n, -1), BLOCK_N.value, w13_steps is not None),
         out if w13_scale is None else w13_scale,
+        out if w13_steps is None else w13_steps,
         expert_first_token_offset,
         out,
         descriptor(out, [SUB.value, BLOCK_N.value // 2]),
@@ -330,6 +379,7 @@ def launch_gated(
         ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT,
         QUANT=out_scale is not None,
+        W4=w13_steps is not None,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )

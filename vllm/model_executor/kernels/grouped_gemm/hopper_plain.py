@@ -37,8 +37,14 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     _tma_load,
     _tma_store,
     _total,
+    _w_k,
     descriptor,
     k_box,
+)
+from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import (
+    w4_buffers,
+    w4_mainloop,
+    w4_skip,
 )
 
 
@@ -56,7 +62,7 @@ def _loader(
     empty,
     BLOCK_E: gl.constexpr,
 ):
-    BLOCK_K: gl.constexpr = w_boxes.shape[2]
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 1
     )
@@ -72,12 +78,13 @@ def _loader(
             # Boxes past a tensor's end are zero-filled and still count in full.
             mbarrier.expect(
                 ready.index(slot),
-                (BLOCK_M + BLOCK_N) * BLOCK_K * _itemsize(w_boxes.dtype),
+                BLOCK_M * BLOCK_K * _itemsize(a_boxes.dtype)
+                + BLOCK_N * w_boxes.shape[2] * _itemsize(w_boxes.dtype),
             )
             _tma_load(a_desc, [row_start, k], ready.index(slot), a_boxes.index(slot))
             _tma_load(
                 w_desc,
-                [expert * N + n_tile * BLOCK_N, k],
+                [expert * N + n_tile * BLOCK_N, _w_k(k, a_boxes, w_boxes)],
                 ready.index(slot),
                 w_boxes.index(slot),
             )
@@ -85,10 +92,18 @@ def _loader(
 
 
 @gluon.jit
-def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.constexpr):
+def _consumer(
+    shared,
+    w4,
+    HALF: gl.constexpr,
+    GROUPED: gl.constexpr,
+    W4: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+):
     (
         a_scale_ptr,
         w_scale_ptr,
+        w_steps_ptr,
         offsets_ptr,
         out_ptr,
         out_desc,
@@ -101,6 +116,7 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
         ready,
         empty,
     ) = shared
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
     acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
@@ -116,22 +132,38 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
         if first_row < row_end:
             rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
             row_ok = rows < row_end
-            acc, a_scale, step = _mainloop(
-                a_boxes,
-                w_boxes,
-                ready,
-                empty,
-                step,
-                K,
-                a_scale_ptr + rows * groups,
-                row_ok,
-                HALF,
-                False,
-                GROUPED,
-            )
             cols = n_tile * BLOCK_N + gl.arange(
                 0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
             )
+            if not W4:
+                acc, a_scale, step = _mainloop(
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    step,
+                    K,
+                    a_scale_ptr + rows * groups,
+                    row_ok,
+                    HALF,
+                    False,
+                    GROUPED,
+                )
+            else:
+                acc, step = w4_mainloop(
+                    a_boxes,
+                    w_boxes,
+                    ready,
+                    empty,
+                    step,
+                    K,
+                    w4,
+                    w_steps_ptr + expert * (K // BLOCK_K) * N + cols,
+                    cols < N,
+                    N,
+                    HALF,
+                    False,
+                )
             if _scaled(w_boxes.dtype):
                 if not GROUPED:
                     a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
@@ -151,8 +183,10 @@ def _consumer(shared, HALF: gl.constexpr, GROUPED: gl.constexpr, BLOCK_E: gl.con
                     y,
                     mask=row_ok[:, None] & (cols < N)[None, :],
                 )
+        elif not W4:
+            step = _skip(ready, empty, step, K, BLOCK_K)
         else:
-            step = _skip(ready, empty, step, K, w_boxes.shape[2])
+            step = w4_skip(w_boxes, ready, empty, step, K, w4, BLOCK_K, HALF)
     tma.store_wait(0)
 
 
@@ -162,6 +196,7 @@ def _grouped_gemm_warp_specialized_kernel(
     w_desc,
     a_scale_ptr,
     w_scale_ptr,
+    w_steps_ptr,
     offsets_ptr,
     out_ptr,
     out_desc,
@@ -170,16 +205,20 @@ def _grouped_gemm_warp_specialized_kernel(
     groups,
     num_experts,
     GROUPED: gl.constexpr,
+    W4: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
     a_boxes, w_boxes, ready, empty = _ring(
         a_desc.dtype, gl.constexpr(a_desc.layout), w_desc, 1
     )
+    # warp_specialize takes no None: without W4 the tuple is never read.
+    w4 = w4_buffers() if W4 else (w_boxes, ready, empty)
     # The consumers' arguments, but for their half (Gluon cannot concatenate
     # tuples in warp_specialize's argument lists).
     shared = (
         a_scale_ptr,
         w_scale_ptr,
+        w_steps_ptr,
         offsets_ptr,
         out_ptr,
         out_desc,
@@ -194,8 +233,8 @@ def _grouped_gemm_warp_specialized_kernel(
     )
     gl.warp_specialize(
         [
-            (_consumer, (shared, 0, GROUPED, BLOCK_E)),
-            (_consumer, (shared, 1, GROUPED, BLOCK_E)),
+            (_consumer, (shared, w4, 0, GROUPED, W4, BLOCK_E)),
+            (_consumer, (shared, w4, 1, GROUPED, W4, BLOCK_E)),
             (
                 _loader,
                 (
@@ -225,14 +264,18 @@ def launch(
     w_scale: torch.Tensor | None,
     expert_first_token_offset: torch.Tensor,
     out: torch.Tensor,
+    w_steps: torch.Tensor | None = None,
 ) -> None:
-    """Runs the kernel on arguments :func:`~.api.grouped_gemm` has checked
-    (shapes, dtypes, TMA alignment of ``a`` and ``w``) and
-    :func:`~.dispatch.hopper_supports` accepts. fp8 operands come with
-    scales (a 2-D ``a_scale`` [R, act_groups(K)] holds per-group row
-    scales), 16-bit ones with ``None``."""
+    """Runs the kernel on arguments :func:`~.api.grouped_gemm` (or
+    :func:`~.w4a8.grouped_gemm_w4a8`) has checked (shapes, dtypes, TMA
+    alignment of ``a`` and ``w``) and :func:`~.dispatch.hopper_supports`
+    accepts. fp8 operands come with scales (a 2-D ``a_scale``
+    [R, act_groups(K)] holds per-group row scales), 16-bit ones with
+    ``None``. With ``w_steps``, ``w`` holds packed uint4 weights and
+    ``w_steps`` / ``w_scale`` are :func:`~.hopper_w4a8.w4_scale_steps` of
+    their scales."""
     assert (a_scale is None) == (w_scale is None) == (a.element_size() == 2)
-    num_experts, n, k = w.shape
+    num_experts, n, k = *w.shape[:2], a.shape[1]
     grouped = a_scale is not None and a_scale.dim() == 2
     groups = a_scale.shape[1] if a_scale is not None and grouped else 1
     programs = persistent_programs(
@@ -240,9 +283,10 @@ def launch(
     )
     _grouped_gemm_warp_specialized_kernel[(programs,)](
         k_box(a, BLOCK_M.value),
-        k_box(w.view(-1, k), BLOCK_N.value),
+        k_box(w.view(num_experts * n, -1), BLOCK_N.value, w_steps is not None),
         out if a_scale is None else a_scale,  # scales are never read for 16 bits
         out if w_scale is None else w_scale,
+        out if w_steps is None else w_steps,
         expert_first_token_offset,
         out,
         descriptor(out, [SUB.value, BLOCK_N.value]),
@@ -251,6 +295,7 @@ def launch(
         groups,
         num_experts,
         GROUPED=grouped,
+        W4=w_steps is not None,
         BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=4,
     )

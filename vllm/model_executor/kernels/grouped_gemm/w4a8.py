@@ -18,6 +18,11 @@ interleaved, and the program writes ``act(gate, up)`` [R, I]. Both are
 persistent with grids that depend only on the row count (CUDA-graph
 capturable); rows at or past ``offsets[E]`` are not written.
 
+On Hopper, given the scales' :func:`~.hopper_w4a8.w4_scale_steps`
+(computed once with the weights), both GEMMs run the warp-specialized
+Gluon kernels instead (:mod:`.hopper_w4a8`), which multiply in 128-row
+tiles.
+
 Every call checks its arguments before any launch. The expert offsets and
 the routes live on the device and are not checked (as in :mod:`.api`).
 :func:`grouped_gemm_w4a8_reference` and its gated twin are the
@@ -43,7 +48,12 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error, check_contiguous
 from vllm.model_executor.kernels.common.device_info import persistent_programs
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
-from vllm.model_executor.kernels.grouped_gemm.dispatch import GroupedGemmConfig
+from vllm.model_executor.kernels.grouped_gemm import hopper_gated, hopper_plain
+from vllm.model_executor.kernels.grouped_gemm.dispatch import (
+    GroupedGemmConfig,
+    hopper_supports,
+    hopper_supports_gated,
+)
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.reference import expert_products
 from vllm.model_executor.kernels.grouped_gemm.triton_kernels import (
@@ -270,6 +280,18 @@ def _check_rows(
     check_contiguous("out", out, out.dtype, out_shape, device)
 
 
+def _check_scale_steps(
+    name: str, scale_steps: tuple[torch.Tensor, torch.Tensor], w_scale: torch.Tensor
+) -> None:
+    experts, n, groups = w_scale.shape
+    steps, last = scale_steps
+    device = w_scale.device
+    check_contiguous(
+        f"{name}_steps", steps, torch.float32, (experts, groups, n), device
+    )
+    check_contiguous(f"{name}_last", last, torch.float32, (experts, n), device)
+
+
 def grouped_gemm_w4a8(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -278,15 +300,25 @@ def grouped_gemm_w4a8(
     expert_first_token_offset: torch.Tensor,
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
+    scale_steps: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Writes the rows below ``expert_first_token_offset[-1]`` of ``out``
     [R, N] (bf16 or fp16) from fp8 ``a`` [R, K] with ``a_scale`` [R] and
     :func:`quantize_w4` weights ``w`` [E, N, K / 2] with ``w_scale``
-    [E, N, K / 128]; returns ``out``. ``config``'s block_k is the group."""
+    [E, N, K / 128]; returns ``out``. ``config``'s block_k is the group.
+    With ``scale_steps`` (:func:`~.hopper_w4a8.w4_scale_steps` of
+    ``w_scale``), no ``config`` and a call the Hopper kernel supports, the
+    Hopper kernel runs it."""
     experts, n, k = _check_weights("w", w, w_scale, a)
     rows = a.shape[0]
     _check_rows(a, a_scale, expert_first_token_offset, experts, out, (rows, n))
+    if scale_steps is not None:
+        _check_scale_steps("w", scale_steps, w_scale)
     if rows == 0 or experts == 0:
+        return out
+    if scale_steps is not None and config is None and hopper_supports(a.device, n, out):
+        steps, last = scale_steps
+        hopper_plain.launch(a, a_scale, w, last, expert_first_token_offset, out, steps)
         return out
     tiles = config or W4A8_TILES
     programs = persistent_programs(
@@ -312,13 +344,15 @@ def grouped_gemm_w4a8_gated(
     activation: str,
     out: torch.Tensor,
     config: GroupedGemmConfig | None = None,
+    scale_steps: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[r] = act(gate, up)`` of the deinterleaved ``a[t] @ w13[e]^T``
     for each row ``r`` below ``expert_first_token_offset[-1]``, of expert
     ``e``, with ``t = src_routes[r] // topk``: fp8 tokens ``a`` [T, K] with
     ``a_scale`` [T], ``src_routes`` int32 [R], interleaved :func:`quantize_w4`
     weights ``w13`` [E, 2I, K / 2] with ``w13_scale`` [E, 2I, K / 128],
-    ``out`` [R, I] bf16 or fp16; returns ``out``."""
+    ``out`` [R, I] bf16 or fp16; returns ``out``. ``scale_steps`` as in
+    :func:`grouped_gemm_w4a8`."""
     experts, two_inter, _ = _check_weights("w13", w13, w13_scale, a)
     if two_inter % 2:
         raise arg_error("w13", f"an even row count (gate, up), got {two_inter}")
@@ -330,7 +364,20 @@ def grouped_gemm_w4a8_gated(
         raise arg_error("topk", f">= 1, got {topk}")
     if activation not in ACTIVATIONS:
         raise arg_error("activation", f"one of {list(ACTIVATIONS)}, got {activation!r}")
+    if scale_steps is not None:
+        _check_scale_steps("w13", scale_steps, w13_scale)
     if rows == 0 or experts == 0:
+        return out
+    if (
+        scale_steps is not None
+        and config is None
+        and hopper_supports_gated(a, two_inter // 2, out)
+    ):
+        steps, last = scale_steps
+        hopper_gated.launch_gated(
+            a, a_scale, src_routes, topk, w13, last, expert_first_token_offset,
+            activation, out, w13_steps=steps,
+        )  # fmt: skip
         return out
     tiles = config or W4A8_GATED_TILES
     inter = two_inter // 2

@@ -27,17 +27,24 @@ CPU tensors take the kernels' plain-PyTorch references.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Self
 
 import torch
 
-from vllm.model_executor.kernels.common.device_info import capability, runs_gpu_kernels
+from vllm.model_executor.kernels.common.device_info import (
+    capability,
+    is_hopper,
+    runs_gpu_kernels,
+)
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
     interleave_gate_up,
     moe_decode,
 )
+from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     W4_GROUP,
     dequantize_w4,
@@ -91,6 +98,11 @@ class TritonExpertsW4A8(FusedMoEExperts):
         )
         self.w13, self.w13_scale = w13.contiguous(), w13_scale.contiguous()
         self.w2, self.w2_scale = w2.contiguous(), w2_scale.contiguous()
+        # The Hopper kernels' per-group rescaling, computed once here.
+        self.w13_steps = self.w2_steps = None
+        if is_hopper(w13.device):
+            self.w13_steps = w4_scale_steps(self.w13_scale)
+            self.w2_steps = w4_scale_steps(self.w2_scale)
 
     @classmethod
     def unsupported(cls, moe: FusedMoEConfig, device: torch.device) -> str | None:
@@ -171,8 +183,14 @@ class TritonExpertsW4A8(FusedMoEExperts):
                 output,
             )
             return
-        gated = grouped_gemm_w4a8_gated if gpu else grouped_gemm_w4a8_gated_reference
-        gemm = grouped_gemm_w4a8 if gpu else grouped_gemm_w4a8_reference
+        gated: Callable[..., torch.Tensor]
+        gemm: Callable[..., torch.Tensor]
+        if gpu:
+            gated = partial(grouped_gemm_w4a8_gated, scale_steps=self.w13_steps)
+            gemm = partial(grouped_gemm_w4a8, scale_steps=self.w2_steps)
+        else:
+            gated = grouped_gemm_w4a8_gated_reference
+            gemm = grouped_gemm_w4a8_reference
         a_q, a_scale = carve_fp8_rows(workspace13, num_tokens, hidden)
         quant_rows_fp8(hidden_states, a_q, a_scale)
         scratch = self.permute_scratch(hidden_states.device)

@@ -1,0 +1,203 @@
+"""The W4A8 Hopper kernels: the carried rescaling on the CPU, both kernels
+built for sm90 without a GPU, and launched (an H200) through the W4A8
+launchers against the references."""
+
+import pytest
+import torch
+
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    EXPERT_COUNTS,
+    H200_SHARED_BYTES,
+    POISON,
+    compile_for_sm90,
+    compiled_in_own_process,
+    needs_hopper,
+    sorted_routing,
+)
+from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
+from vllm.model_executor.kernels.grouped_gemm import (
+    hopper_common,
+    hopper_gated,
+    hopper_plain,
+)
+from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
+    W4_GROUP,
+    grouped_gemm_w4a8,
+    grouped_gemm_w4a8_gated,
+    grouped_gemm_w4a8_gated_reference,
+    grouped_gemm_w4a8_reference,
+    quantize_w4,
+)
+
+
+def test_scale_steps_carry_the_group_scales():
+    """Carrying a sum in units of the current group's scales (multiply by
+    the step, add the group's product) and multiplying by the last scales
+    gives the scaled sum, for scales that differ by up to 10^6."""
+    torch.manual_seed(0)
+    experts, n, groups = 3, 7, 5
+    spread = 10.0 ** torch.randint(-3, 4, (1, 1, groups))
+    scale = (torch.rand(experts, n, groups) + 0.1) * spread
+    products = torch.randn(experts, groups, n)  # one unscaled product per group
+    steps, last = w4_scale_steps(scale)
+    assert steps.shape == (experts, groups, n) and last.shape == (experts, n)
+    carried = products[:, 0]
+    for g in range(1, groups):
+        carried = carried * steps[:, g] + products[:, g]
+    terms = products * scale.transpose(1, 2)
+    largest = float(terms.abs().max())
+    torch.testing.assert_close(
+        carried * last, terms.sum(1), rtol=1e-5, atol=1e-6 * largest
+    )
+
+
+def kernel_args() -> tuple[dict[str, object], dict[str, object]]:
+    """Host arguments of the plain and the gated kernel for packed weights,
+    as the launchers pass them."""
+    rows, experts, n, k, topk = 256, 4, 512, 256, 2
+    a = torch.empty(rows, k, dtype=FP8_DTYPE)
+    w = torch.empty(experts * n, k // 2, dtype=torch.uint8)
+    box = hopper_common.k_box(w, hopper_common.BLOCK_N.value, packed=True)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
+    sub, block_n = hopper_common.SUB.value, hopper_common.BLOCK_N.value
+    scales = {
+        "w_scale_ptr": torch.empty(experts * n),
+        "w_steps_ptr": torch.empty(experts * n * k // W4_GROUP),
+    }
+    plain = {
+        "a_desc": hopper_common.k_box(a, hopper_common.BLOCK_M.value),
+        "w_desc": box,
+        "a_scale_ptr": torch.empty(rows),
+        **scales,
+        "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
+        "out_ptr": out,
+        "out_desc": hopper_common.descriptor(out, [sub, block_n]),
+        "N": n,
+        "K": k,
+        "groups": 1,
+        "num_experts": experts,
+    }
+    gated = {
+        "a_ptr": a,
+        "a_scale_ptr": torch.empty(rows),
+        "src_routes_ptr": torch.empty(rows, dtype=torch.int32),
+        "w_desc": box,
+        **scales,
+        "offsets_ptr": torch.empty(experts + 1, dtype=torch.int64),
+        "out_ptr": act,
+        "out_desc": hopper_common.descriptor(act, [sub, block_n // 2]),
+        "out_scale_ptr": act,
+        "inter": n // 2,
+        "K": k,
+        "num_experts": experts,
+        "topk": topk,
+    }
+    return plain, gated
+
+
+def compile_kernels() -> None:
+    """Both kernels with packed weights (run in a process of its own by the
+    test below)."""
+    plain, gated = kernel_args()
+    compile_for_sm90(
+        [
+            (
+                hopper_plain._grouped_gemm_warp_specialized_kernel,
+                plain,
+                {"GROUPED": False, "W4": True},
+            ),
+            (
+                hopper_gated._grouped_gemm_gated_warp_specialized_kernel,
+                gated,
+                {"MODE": 1, "ALPHA": 1.0, "LIMIT": 7.0, "QUANT": False, "W4": True},
+            ),
+        ]
+    )
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """Both build for Hopper with the installed Triton and fit the shared
+    memory of a block (the unpacked double buffer beside the ring)."""
+    module = "tests.model_executor.kernels.grouped_gemm.test_hopper_w4a8"
+    builds = compiled_in_own_process(module)
+    assert len(builds) == 4
+    for has_wgmma, shared in builds:
+        assert has_wgmma
+        assert 0 < shared <= H200_SHARED_BYTES
+
+
+def _weights(experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed weights whose group scales differ by up to 10^4 along K."""
+    w = torch.randn(experts, n, k, device="cuda") / k**0.5
+    spread = 10 ** torch.randint(-2, 3, (experts, n, k // W4_GROUP), device="cuda")
+    return quantize_w4(w * spread.repeat_interleave(W4_GROUP, -1))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@EXPERT_COUNTS
+@pytest.mark.parametrize("n,k", [(512, 256), (2048, 768), (264, 128)], ids=str)
+def test_plain_matches_reference(counts, n, k):
+    """Several N tiles and groups, a partial N tile (264), halves full,
+    partial or empty; rows past the last expert's end stay untouched."""
+    torch.manual_seed(sum(counts) + n + k)
+    rows = sum(counts) + 17
+    a = (torch.randn(rows, k, device="cuda") * 3).to(FP8_DTYPE)
+    a_scale = torch.rand(rows, device="cuda") + 0.1
+    w, w_scale = _weights(len(counts), n, k)
+    offsets = torch.tensor([0, *counts], device="cuda").cumsum(0)
+    out = torch.full((rows, n), POISON, device="cuda", dtype=torch.bfloat16)
+    ref = out.clone()
+    steps = w4_scale_steps(w_scale)
+    grouped_gemm_w4a8(a, a_scale, w, w_scale, offsets, out, scale_steps=steps)
+    grouped_gemm_w4a8_reference(a, a_scale, w, w_scale, offsets, ref)
+    largest = float(ref.float().abs().max())
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-3 * largest)
+    assert bool((out[sum(counts) :] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "tokens,topk,experts,inter,k,invalid",
+    [
+        (1, 1, 4, 128, 128, 0),  # one row
+        (60, 3, 2, 136, 256, 9),  # a partial gate/up tile, non-local routes
+        (300, 8, 16, 768, 2048, 0),  # model dims, ~150 rows per expert
+        (64, 8, 256, 128, 128, 0),  # 256 experts
+    ],
+)
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+def test_gated_matches_reference(tokens, topk, experts, inter, k, invalid, activation):
+    torch.manual_seed(tokens + experts + k)
+    a = (torch.randn(tokens, k, device="cuda") * 3).to(FP8_DTYPE)
+    a_scale = torch.rand(tokens, device="cuda") + 0.1
+    w13, w13_scale = _weights(experts, 2 * inter, k)
+    src_routes, offsets = sorted_routing(tokens * topk, experts, "cuda", invalid)
+    out = torch.full(
+        (tokens * topk, inter), POISON, device="cuda", dtype=torch.bfloat16
+    )
+    ref = out.clone()
+    args = (a, a_scale, src_routes, topk, w13, w13_scale, offsets, activation)
+    steps = w4_scale_steps(w13_scale)
+    grouped_gemm_w4a8_gated(*args, out, scale_steps=steps)
+    grouped_gemm_w4a8_gated_reference(*args, ref)
+    largest = float(ref.float().abs().max())
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-3 * largest)
+    written = int(offsets[-1])
+    assert bool((out[written:] == POISON).all())
+
+
+def test_bad_scale_steps_are_named(device):
+    a = torch.zeros(4, 128, device=device).to(FP8_DTYPE)
+    w, w_scale = quantize_w4(torch.randn(2, 32, 128, device=device))
+    offsets = torch.tensor([0, 2, 4], device=device)
+    out = torch.empty(4, 32, device=device, dtype=torch.bfloat16)
+    steps, last = w4_scale_steps(w_scale)
+    args = (a, torch.ones(4, device=device), w, w_scale, offsets, out)
+    with pytest.raises(ValueError, match="w_steps: expected contiguous"):
+        grouped_gemm_w4a8(*args, scale_steps=(steps[:, :, :16], last))
+    with pytest.raises(ValueError, match="w_last: expected contiguous"):
+        grouped_gemm_w4a8(*args, scale_steps=(steps, last.double()))

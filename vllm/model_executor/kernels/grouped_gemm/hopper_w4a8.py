@@ -1,0 +1,213 @@
+"""W4A8 on the warp-specialized Hopper GEMMs (Gluon): uint4 weights in
+:mod:`.w4a8`'s format (two per byte along K, one fp32 scale per output
+channel and group of 128 K columns), fp8 activations with row scales.
+
+The loaders of :mod:`.hopper_plain` and :mod:`.hopper_gated` bring the
+packed weight box (half the bytes of an fp8 one) beside the A rows; this
+module adds what the consumers do with it:
+
+- each consumer warpgroup unpacks its half of the box's rows to fp8 (the
+  values -8..7 are exact) into one of two shared-memory buffers, and both
+  multiply with the whole buffer once both halves are in (``uready``); a
+  buffer is rewritten only after both warpgroups' MMAs that read it are
+  done (``ufree``). The next K step is unpacked while the MMA runs;
+- a K step is one weight group, so the accumulator is carried in units of
+  the current group's channel scales: before step ``g``'s MMA it is
+  multiplied by ``s[g - 1] / s[g]`` per column (:func:`w4_scale_steps`
+  computes those ratios once, at weight preparation), and the epilogue
+  multiplies by the last group's scales as the fp8 kernels do by their
+  channel scales. Exact in fp32 up to the rounding of the ratios.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
+    BLOCK_N,
+    STAGES,
+    SUB,
+    _acc_layout,
+)
+
+# Triton 3.6 (the H200 here) names the block-wide barrier thread_barrier.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+BUFFERS = gl.constexpr(2)  # unpacked weight boxes: one multiplied, one filled
+HALF_N = gl.constexpr(BLOCK_N.value // 2)  # weight rows each warpgroup unpacks
+
+# Four packed bytes (eight columns) per register in, two registers of four
+# fp8 columns each out, in column order. A nibble ORed into the mantissa of
+# fp16 1024 is 1024 + q (the high one 1024 + 16q); one paired subtraction
+# (or fma) per two values makes q - 8, the paired fp16 -> fp8 conversion
+# packs them, and prmt puts the bytes in column order.
+_UNPACK_ASM = gl.constexpr("""{
+.reg .b32 sh, l02, l13, h02, h13, lo, hi, bias, sixteenth, off;
+.reg .b16 c0, c1, c2, c3;
+mov.b32 bias, 0x64086408;
+mov.b32 sixteenth, 0x2C002C00;
+mov.b32 off, 0xD480D480;
+shr.u32 sh, $2, 8;
+lop3.b32 l02, $2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 l13, sh, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h02, $2, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 h13, sh, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 l02, l02, bias;
+sub.f16x2 l13, l13, bias;
+fma.rn.f16x2 h02, h02, sixteenth, off;
+fma.rn.f16x2 h13, h13, sixteenth, off;
+cvt.rn.satfinite.e4m3x2.f16x2 c0, l02;
+cvt.rn.satfinite.e4m3x2.f16x2 c1, l13;
+cvt.rn.satfinite.e4m3x2.f16x2 c2, h02;
+cvt.rn.satfinite.e4m3x2.f16x2 c3, h13;
+mov.b32 lo, {c0, c2};
+mov.b32 hi, {c1, c3};
+prmt.b32 $0, lo, hi, 0x6420;
+prmt.b32 $1, lo, hi, 0x7531;
+}""")
+
+
+def w4_scale_steps(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(steps [E, G, N], last [E, N])`` of channel scales ``w_scale``
+    [E, N, G]: ``steps[:, g] = w_scale[..., g - 1] / w_scale[..., g]`` (ones
+    at g = 0, never read) and the last group's scales."""
+    scale = w_scale.transpose(1, 2).float()
+    steps = torch.ones_like(scale)
+    steps[:, 1:] = scale[:, :-1] / scale[:, 1:]
+    return steps.contiguous(), scale[:, -1].contiguous()
+
+
+@gluon.jit
+def _unpack(packed):
+    """fp8 [R, 2C] values -8..7 of packed uint8 [R, C] (even columns in the
+    low nibbles): bytes 4j..4j+3 give columns 8j..8j+3 in ``first`` and
+    8j+4..8j+7 in ``second``, which the permute puts in place."""
+    R: gl.constexpr = packed.shape[0]
+    C: gl.constexpr = packed.shape[1]
+    first, second = gl.inline_asm_elementwise(
+        _UNPACK_ASM,
+        "=r,=r,r",
+        [packed],
+        dtype=(gl.float8e4nv, gl.float8e4nv),
+        is_pure=True,
+        pack=4,
+    )
+    halves = gl.reshape(gl.join(first, second), [R, C // 4, 4, 2])
+    return gl.reshape(gl.permute(halves, [0, 1, 3, 2]), [R, 2 * C])
+
+
+@gluon.jit
+def _unpack_half(w_boxes, ready, w4, step, HALF: gl.constexpr):
+    """Unpacks this warpgroup's half of the weight box of ring step ``step``
+    into its unpacked buffer, once the box has landed and both warpgroups'
+    MMAs are done with the buffer."""
+    unpacked, uready, ufree = w4
+    PACKED_K: gl.constexpr = w_boxes.shape[2]
+    # 16 bytes per thread, a 64-byte row per 4 threads.
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, 16], [32 * 16 // PACKED_K, PACKED_K // 16], [4, 1], [1, 0]
+    )
+    slot = step % STAGES
+    buf = step % BUFFERS
+    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+    mbarrier.wait(ufree.index(buf), (step // BUFFERS) & 1)
+    packed = w_boxes.index(slot).slice(HALF * HALF_N, HALF_N, dim=0).load(layout)
+    unpacked.index(buf).slice(HALF * HALF_N, HALF_N, dim=0).store(_unpack(packed))
+    fence_async_shared()
+    _barrier()  # every thread's stores before the warpgroup's one arrival
+    mbarrier.arrive(uready.index(buf), count=1)
+
+
+@gluon.jit
+def w4_mainloop(
+    a_boxes,
+    w_boxes,
+    ready,
+    empty,
+    step,
+    K,
+    w4,
+    col_steps,
+    col_ok,
+    N,
+    HALF: gl.constexpr,
+    GATHERED: gl.constexpr,
+):
+    """This warpgroup's 64 x BLOCK_N accumulator over K, in units of the
+    last group's channel scales, and the next ring step. ``col_steps``:
+    pointers to the tile's columns in :func:`w4_scale_steps`' steps of its
+    expert (group g at ``+ g * N``)."""
+    unpacked, uready, ufree = w4
+    BLOCK_K: gl.constexpr = a_boxes.shape[2]
+    acc = gl.zeros((SUB, BLOCK_N), gl.float32, _acc_layout(a_boxes.dtype))
+    _unpack_half(w_boxes, ready, w4, step, HALF)
+    # No `prev = step` before the loop: Triton 3.6 and 3.9 then carry one
+    # value for both, and the releases below would all go to the first slot.
+    for k in range(0, K, BLOCK_K):
+        # Issued before the wait, which hides its latency (ones at k = 0).
+        ratio = gl.load(col_steps + (k // BLOCK_K) * N, mask=col_ok, other=1.0)
+        mbarrier.wait(uready.index(step % BUFFERS), (step // BUFFERS) & 1)
+        if GATHERED:  # cp.async wrote the A rows: order them before the MMA's reads
+            fence_async_shared()
+        if k > 0:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+            mbarrier.arrive(ufree.index((step - 1) % BUFFERS), count=1)
+            acc = acc * ratio[None, :]
+        acc = warpgroup_mma(
+            a_boxes.index(step % STAGES).slice(HALF * SUB, SUB, dim=0),
+            unpacked.index(step % BUFFERS).permute((1, 0)),
+            acc,
+            is_async=True,
+        )
+        if k + BLOCK_K < K:  # the next box, while the MMA runs
+            _unpack_half(w_boxes, ready, w4, step + 1, HALF)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # no wait
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+    mbarrier.arrive(ufree.index((step - 1) % BUFFERS), count=1)
+    return acc, step
+
+
+@gluon.jit
+def w4_skip(
+    w_boxes, ready, empty, step, K, w4, BLOCK_K: gl.constexpr, HALF: gl.constexpr
+):
+    """No rows in this warpgroup's half: it still unpacks its half of each
+    box for the other one, and releases what it never multiplies with."""
+    _, _, ufree = w4
+    for _ in range(0, K, BLOCK_K):
+        _unpack_half(w_boxes, ready, w4, step, HALF)
+        mbarrier.arrive(ufree.index(step % BUFFERS), count=1)
+        mbarrier.arrive(empty.index(step % STAGES), count=1)
+        step += 1
+    return step
+
+
+@gluon.jit
+def w4_buffers():
+    """The two unpacked weight boxes and their barriers, both buffers free."""
+    BLOCK_K: gl.constexpr = 2 * 64
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_N, BLOCK_K], gl.float8e4nv
+    )
+    unpacked = gl.allocate_shared_memory(
+        gl.float8e4nv, [BUFFERS, BLOCK_N, BLOCK_K], layout
+    )
+    uready = gl.allocate_shared_memory(
+        gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout()
+    )
+    ufree = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(BUFFERS):
+        mbarrier.init(uready.index(i), count=2)
+        mbarrier.init(ufree.index(i), count=2)
+        mbarrier.arrive(ufree.index(i), count=2)
+    return unpacked, uready, ufree
