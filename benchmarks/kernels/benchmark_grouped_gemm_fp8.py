@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from vllm.benchmarks.utils import (
     H200_PEAK_TFLOPS,
+    add_moe_dims_args,
     time_graph_us,
     write_results,
 )
@@ -188,10 +189,7 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 8192])
-    parser.add_argument("--num-experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--intermediate-size", type=int, default=768)
+    add_moe_dims_args(parser)
     parser.add_argument(
         "--sweep",
         action="store_true",

@@ -23,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-from vllm.benchmarks.utils import H200_PEAK_TFLOPS, time_graphs_us, write_results
+from vllm.benchmarks.utils import (
+    H200_PEAK_TFLOPS,
+    add_moe_dims_args,
+    time_graphs_us,
+    write_results,
+)
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8,
@@ -140,10 +145,7 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 1024, 8192])
-    parser.add_argument("--num-experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--intermediate-size", type=int, default=768)
+    add_moe_dims_args(parser)
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

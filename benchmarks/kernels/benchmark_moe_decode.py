@@ -30,7 +30,12 @@ from pathlib import Path
 import torch
 import triton
 
-from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
+from vllm.benchmarks.utils import (
+    add_moe_dims_args,
+    copy_bandwidth_gbps,
+    time_graphs_us,
+    write_results,
+)
 from vllm.model_executor.kernels.common.router_topk import router_topk_applies
 from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
 from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
@@ -210,10 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", nargs="+", choices=sorted(SCHEMES), default=None)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
-    parser.add_argument("--num-experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--intermediate-size", type=int, default=768)
+    add_moe_dims_args(parser)
     parser.add_argument("--sweep", action="store_true", help="also sweep the tiles")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from vllm.benchmarks.utils import (
     H200_PEAK_TFLOPS,
+    add_moe_dims_args,
     time_cpu_us,
     time_graphs_us,
     write_results,
@@ -322,10 +323,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=None)
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--num-experts", type=int, default=128)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--intermediate-size", type=int, default=768)
+    add_moe_dims_args(parser)
     parser.add_argument(
         "--breakdown",
         action="store_true",

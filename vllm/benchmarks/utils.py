@@ -93,6 +93,14 @@ def write_results(
         path.write_text(json.dumps(payload, indent=2))
 
 
+def add_moe_dims_args(parser: argparse.ArgumentParser) -> None:
+    """A MoE layer's dimensions, Qwen3-30B-A3B's by default."""
+    parser.add_argument("--num-experts", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--intermediate-size", type=int, default=768)
+
+
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     """Data / tensor + expert parallelism flags, as ``vllm serve`` spells
     them."""
