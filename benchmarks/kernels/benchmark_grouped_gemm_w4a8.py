@@ -85,7 +85,7 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
         for kernel in KERNELS
     }
     gated_args = (a, a_scale, src_routes, topk)
-    steps = {
+    runs = {
         ("gate_up", "hopper"): lambda _: grouped_gemm_w4a8_gated(
             *gated_args, w13_q, w13_s, offsets, "silu", outs["hopper"][0],
             scale_steps=w13_steps,
@@ -107,8 +107,8 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
             act_q, act_scale, w2_8, w2_8s, offsets, outs["fp8"][1]
         ),
     }  # fmt: skip
-    for step in steps.values():
-        step(0)
+    for run in runs.values():
+        run(0)
     for index, gemm in enumerate(("gate_up", "down")):
         hopper, triton = outs["hopper"][index], outs["triton"][index]
         error = float((hopper.float() - triton.float()).abs().max())
@@ -117,12 +117,12 @@ def bench(tokens: int, args: argparse.Namespace) -> list[Row]:
         if error > 2e-2 * largest:
             raise AssertionError(f"{gemm}: hopper kernel off by {error} of {largest}")
     times = time_graphs_us(
-        {f"{g}/{k}": s for (g, k), s in steps.items()},
+        {f"{g}/{k}": run for (g, k), run in runs.items()},
         iters=20 if tokens < 1024 else 5,
     )
     results = []
     shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-    for (gemm, kernel), _ in steps.items():
+    for gemm, kernel in runs:
         n, k = shapes[gemm]
         us = times[f"{gemm}/{kernel}"]
         tflops = 2 * rows * n * k / (us * 1e-6) / 1e12

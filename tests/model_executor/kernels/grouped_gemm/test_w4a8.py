@@ -94,7 +94,8 @@ def test_bad_arguments_are_named(device):
             "expert_first_token_offset": offsets, "out": out}  # fmt: skip
     for name, bad, message in (
         ("a", a.float(), "a: expected fp8 e4m3 rows"),
-        ("a", a[:, :64].contiguous(), "K a multiple of 128"),
+        ("a", a[:, :64].contiguous(), "K a positive multiple of 128"),
+        ("a", a[:, :0].contiguous(), "K a positive multiple of 128"),
         ("w", w.view(torch.int8), "w: expected contiguous torch.uint8"),
         ("w_scale", w_scale[..., :0], "w_scale: expected contiguous"),
         ("a_scale", a_scale[:3], "a_scale: expected"),

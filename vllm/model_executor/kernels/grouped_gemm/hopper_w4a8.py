@@ -16,7 +16,8 @@ module adds what the consumers do with it:
   multiplied by ``s[g - 1] / s[g]`` per column (:func:`w4_scale_steps`
   computes those ratios once, at weight preparation), and the epilogue
   multiplies by the last group's scales as the fp8 kernels do by their
-  channel scales. Exact in fp32 up to the rounding of the ratios.
+  channel scales. The ratios and each rescale round in fp32; scales must be
+  finite and positive (:func:`~.w4a8.quantize_w4` never writes a zero).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from vllm.model_executor.kernels.common.checks import arg_error
 from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     BLOCK_N,
+    K_BYTES,
     STAGES,
     SUB,
     _acc_layout,
@@ -77,7 +80,15 @@ prmt.b32 $1, lo, hi, 0x7531;
 def w4_scale_steps(w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(steps [E, G, N], last [E, N])`` of channel scales ``w_scale``
     [E, N, G]: ``steps[:, g] = w_scale[..., g - 1] / w_scale[..., g]`` (ones
-    at g = 0, never read) and the last group's scales."""
+    at g = 0, which multiply nothing) and the last group's scales. The
+    kernels trust them to be of the scales they run with."""
+    if w_scale.dim() != 3 or w_scale.shape[2] == 0:
+        raise arg_error("w_scale", f"[E, N, groups >= 1], got {list(w_scale.shape)}")
+    if not bool(((w_scale > 0) & w_scale.isfinite()).all()):
+        raise arg_error(
+            "w_scale", "finite positive scales (a zero one would divide the "
+            "carried accumulator by zero)",
+        )  # fmt: skip
     scale = w_scale.transpose(1, 2).float()
     steps = torch.ones_like(scale)
     steps[:, 1:] = scale[:, :-1] / scale[:, 1:]
@@ -91,6 +102,8 @@ def _unpack(packed):
     8j+4..8j+7 in ``second``, which the permute puts in place."""
     R: gl.constexpr = packed.shape[0]
     C: gl.constexpr = packed.shape[1]
+    # pack=4 hands the asm four consecutive bytes of a row: it relies on the
+    # caller's layout holding 16 consecutive bytes per thread.
     first, second = gl.inline_asm_elementwise(
         _UNPACK_ASM,
         "=r,=r,r",
@@ -195,7 +208,7 @@ def w4_skip(
 @gluon.jit
 def w4_buffers():
     """The two unpacked weight boxes and their barriers, both buffers free."""
-    BLOCK_K: gl.constexpr = 2 * 64
+    BLOCK_K: gl.constexpr = K_BYTES  # fp8 columns: one A box's K
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_N, BLOCK_K], gl.float8e4nv
     )

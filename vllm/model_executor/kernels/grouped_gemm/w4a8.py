@@ -247,9 +247,9 @@ def _check_weights(
     name: str, w: torch.Tensor, w_scale: torch.Tensor, a: torch.Tensor
 ) -> tuple[int, int, int]:
     """(E, N, K) of packed weights ``w`` for fp8 activations ``a`` [*, K]."""
-    if a.dim() != 2 or a.dtype != FP8_DTYPE or a.shape[1] % W4_GROUP:
+    if a.dim() != 2 or a.dtype != FP8_DTYPE or a.shape[1] % W4_GROUP or not a.shape[1]:
         raise arg_error(
-            "a", f"fp8 e4m3 rows [*, K] with K a multiple of {W4_GROUP}, got "
+            "a", f"fp8 e4m3 rows [*, K] with K a positive multiple of {W4_GROUP}, got "
             f"{a.dtype} {list(a.shape)}",
         )  # fmt: skip
     k = a.shape[1]
@@ -278,6 +278,12 @@ def _check_rows(
     if out.dtype not in (torch.bfloat16, torch.float16):
         raise arg_error("out", f"bfloat16 or float16, got {out.dtype}")
     check_contiguous("out", out, out.dtype, out_shape, device)
+
+
+def _tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether TMA boxes can read these (16-byte aligned starts; the rows
+    are, K being a multiple of 128); the Triton kernels take any."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _check_scale_steps(
@@ -316,7 +322,12 @@ def grouped_gemm_w4a8(
         _check_scale_steps("w", scale_steps, w_scale)
     if rows == 0 or experts == 0:
         return out
-    if scale_steps is not None and config is None and hopper_supports(a.device, n, out):
+    if (
+        scale_steps is not None
+        and config is None
+        and hopper_supports(a.device, n, out)
+        and _tma_aligned(a, w)
+    ):
         steps, last = scale_steps
         hopper_plain.launch(a, a_scale, w, last, expert_first_token_offset, out, steps)
         return out
@@ -372,6 +383,7 @@ def grouped_gemm_w4a8_gated(
         scale_steps is not None
         and config is None
         and hopper_supports_gated(a, two_inter // 2, out)
+        and _tma_aligned(w13)
     ):
         steps, last = scale_steps
         hopper_gated.launch_gated(
