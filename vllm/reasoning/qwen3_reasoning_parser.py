@@ -23,7 +23,7 @@ from dataclasses import dataclass
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix
     of ``tag`` (text that may still become the tag)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
@@ -69,7 +69,7 @@ class ReasoningStream:
         if tag:
             self.phase = _Phase.ANSWERING
             return reasoning, content
-        hold = 0 if final else _tag_prefix_len(text, THINK_END)
+        hold = 0 if final else tag_prefix_len(text, THINK_END)
         self.held = text[len(text) - hold :]
         return text[: len(text) - hold], ""
 

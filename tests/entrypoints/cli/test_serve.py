@@ -25,6 +25,7 @@ FLAGS = [
     "--chat-template", "--tensor-parallel-size", "--data-parallel-size",
     "--enable-expert-parallel", "--all2all-backend", "--enable-prefix-caching",
     "--generation-config", "--reasoning-parser", "--enable-prompt-tokens-details",
+    "--enable-auto-tool-choice", "--tool-call-parser",
 ]  # fmt: skip
 
 
@@ -53,6 +54,8 @@ def test_help_lists_every_flag_with_its_default(capsys):
         (["-dp", "0", "--enable-expert-parallel"], "--data-parallel-size: expected"),
         (["-dp", "2", "--enable-expert-parallel", "--all2all-backend", "x"], "invalid"),
         (["--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call"),
+        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
     ],
 )
 def test_bad_flags_are_refused_before_loading(capsys, flags, message):

@@ -1,9 +1,17 @@
 """How a reply's text becomes chat messages and deltas under the reasoning
-parser (the live server's side is ``test_reasoning.py``)."""
+and tool-call parsers (the live server's side is ``test_reasoning.py`` and
+``test_tool_calls.py``)."""
+
+import json
 
 from vllm.entrypoints.openai.protocol import DeltaMessage
-from vllm.entrypoints.openai.serving_chat import chat_message, delta_message
+from vllm.entrypoints.openai.serving_chat import (
+    _finish_reason,
+    chat_message,
+    delta_message,
+)
 from vllm.reasoning import Qwen3ReasoningParser
+from vllm.tool_parsers import HermesToolParser
 
 PARSER = Qwen3ReasoningParser()
 REPLY = "<think>plan a</think>answer"
@@ -50,3 +58,37 @@ def test_without_a_parser_text_streams_as_it_comes():
         content="<think>"
     )
     assert delta_message(None, "", True, True) == DeltaMessage(content="")
+
+
+TOOLS = HermesToolParser()
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def test_a_whole_reply_with_calls_reports_them_after_its_thinking():
+    message = chat_message(
+        PARSER, "<think>need data</think>" + CALL, False, True, TOOLS
+    )
+    assert (message.reasoning, message.content) == ("need data", None)
+    [call] = message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # a call inside the thinking is thinking, not a call
+    thought = chat_message(PARSER, "<think>" + CALL + "</think>ok", False, True, TOOLS)
+    assert (thought.content, thought.tool_calls) == ("ok", [])
+    assert _finish_reason("stop", True) == "tool_calls"
+    assert _finish_reason("length", True) == "length"  # cut short: not a call
+    assert _finish_reason("stop", False) == "stop"
+
+
+def test_streamed_calls_are_numbered_across_deltas():
+    calls = TOOLS.stream()
+    pieces = ["Checking. " + CALL[:20], CALL[20:], "\n" + CALL, ""]
+    deltas = [
+        delta_message(None, p, i == len(pieces) - 1, True, calls)
+        for i, p in enumerate(pieces)
+    ]
+    assert deltas[0] == DeltaMessage(content="Checking. ")
+    assert deltas[1] is not None and deltas[2] is not None
+    assert [c.index for c in deltas[1].tool_calls + deltas[2].tool_calls] == [0, 1]
+    assert deltas[1].content is None and deltas[1].tool_calls[0].id
+    assert deltas[3] == DeltaMessage(content="")  # the final one, nothing new

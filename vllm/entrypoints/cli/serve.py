@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from vllm.reasoning import REASONING_PARSERS
+from vllm.tool_parsers import TOOL_PARSERS
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -156,6 +157,19 @@ def add_serve_parser(
         "(default: none, the thinking stays in content).",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let chat requests with tools call them (tool_choice "auto"); '
+        "needs --tool-call-parser (default: off, such requests are refused).",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="How replies call tools (Qwen3: hermes), reported as tool_calls "
+        "(default: none).",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -227,6 +241,11 @@ def check_parallelism(args: argparse.Namespace) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> None:
     if (problem := check_parallelism(args)) is not None:
         args.parser.error(problem)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        args.parser.error(
+            "--enable-auto-tool-choice: needs --tool-call-parser (how replies "
+            "call tools)"
+        )
     from vllm.entrypoints.openai.api_server import run_server
 
     try:

@@ -54,6 +54,7 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
 from vllm.reasoning import REASONING_PARSERS
+from vllm.tool_parsers import TOOL_PARSERS
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -170,7 +171,11 @@ def build_app(
     api_key: str | None = None,
     reasoning_parser: str | None = None,
     enable_prompt_tokens_details: bool = False,
+    tool_parser: str | None = None,
 ) -> FastAPI:
+    """``tool_parser``: the parser of replies' tool calls, given only with
+    auto tool choice enabled."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -189,6 +194,7 @@ def build_app(
             models,
             None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser](),
             enable_prompt_tokens_details=enable_prompt_tokens_details,
+            tool_parser=None if tool_parser is None else TOOL_PARSERS[tool_parser](),
         ),
         OpenAIServingTokenization(engine, models),
         stat_logger,
@@ -308,6 +314,7 @@ def run_server(args: argparse.Namespace) -> None:
         args.api_key,
         args.reasoning_parser,
         args.enable_prompt_tokens_details,
+        args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     logger.info("Serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

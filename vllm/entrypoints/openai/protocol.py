@@ -135,9 +135,31 @@ class ChatCompletionContentPartText(RequestModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallParam(RequestModel):
+    """An assistant message's earlier call, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessageParam(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatCompletionContentPartText] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's reply to that call
+    name: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as
@@ -149,12 +171,25 @@ class ChatCompletionMessageParam(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ChatCompletionToolsParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatTemplateOptions(RequestModel):
     """How the messages become the prompt (vLLM's fields): the generation
     prompt after them, or the last (assistant) message left open to be
     continued; ``chat_template_kwargs`` are the template's own variables
-    (Qwen3: ``{"enable_thinking": false}``)."""
+    (Qwen3: ``{"enable_thinking": false}``); ``tools`` are rendered as
+    the template lays them out."""
 
+    tools: list[ChatCompletionToolsParam] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -167,12 +202,15 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include_reasoning: bool = True  # under a reasoning parser (vLLM's field)
+    # "none", "auto", "required" or {"type": "function", "function": {"name"}}
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning: str | None = None  # under a reasoning parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # under a tool parser
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -205,10 +243,23 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # of the call in the reply
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

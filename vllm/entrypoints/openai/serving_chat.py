@@ -11,6 +11,14 @@ reasoning parser (``--reasoning-parser``) a reply's thinking comes as
 ``reasoning`` (vLLM's name, formerly ``reasoning_content``) and its answer
 as ``content`` (``null`` while there is none), streamed alike;
 ``include_reasoning: false`` drops the thinking (not its tokens' logprobs).
+
+``tools`` are rendered by the chat template. Under a tool parser
+(``--enable-auto-tool-choice --tool-call-parser``) and ``tool_choice``
+``"auto"`` (the default with tools) the answer's calls come as
+``tool_calls`` (streamed whole, one delta per call) with finish reason
+``"tool_calls"``; ``"none"`` leaves them in the content. ``"required"`` and
+a named function would need guided decoding, which this server lacks:
+refused, as is ``"auto"`` without a parser (vLLM's message).
 """
 
 from __future__ import annotations
@@ -32,8 +40,12 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     StreamOptions,
+    ToolCall,
 )
 from vllm.entrypoints.openai.serving_engine import (
     ChunkEvents,
@@ -51,6 +63,11 @@ from vllm.reasoning.qwen3_reasoning_parser import (
     ReasoningStream,
     prompt_opens_thinking,
 )
+from vllm.tool_parsers.hermes_tool_parser import (
+    HermesToolParser,
+    ParsedToolCall,
+    ToolCallStream,
+)
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 _PROMPT_TAIL_TOKENS = 16  # a closing "<think>\n", however a BPE splits it
@@ -61,31 +78,68 @@ def chat_message(
     text: str,
     thinking: bool,
     include_reasoning: bool,
+    tool_parser: HermesToolParser | None = None,
 ) -> ChatMessage:
-    """A whole reply as the response's message."""
-    if parser is None:
-        return ChatMessage(content=text)
-    reasoning, content = parser.split(text, thinking)
-    if reasoning is None:
-        return ChatMessage(content=content)
+    """A whole reply as the response's message (the tool calls come from
+    the answer, not the thinking)."""
+    reasoning: str | None = None
+    content: str | None = text
+    if parser is not None:
+        reasoning, content = parser.split(text, thinking)
+        if reasoning is not None:
+            content = content or None
+    calls: list[ParsedToolCall] = []
+    if tool_parser is not None and content:
+        content, calls = tool_parser.extract(content)
     return ChatMessage(
-        content=content or None, reasoning=reasoning if include_reasoning else None
+        content=content,
+        reasoning=reasoning if include_reasoning else None,
+        tool_calls=[
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls
+        ],
     )
 
 
 def delta_message(
-    stream: ReasoningStream | None, text: str, final: bool, include_reasoning: bool
+    stream: ReasoningStream | None,
+    text: str,
+    final: bool,
+    include_reasoning: bool,
+    calls: ToolCallStream | None = None,
 ) -> DeltaMessage | None:
     """A streamed reply's new ``text`` as a delta; None while all of it is
     held back (a final delta is always sent, for its finish reason)."""
-    if stream is None:
-        return DeltaMessage(content=text) if text or final else None
-    reasoning, content = stream.feed(text, final)
-    if not include_reasoning:
-        reasoning = ""
-    if not reasoning and not content and not final:
+    reasoning, content = "", text
+    if stream is not None:
+        reasoning, content = stream.feed(text, final)
+        if not include_reasoning:
+            reasoning = ""
+    tool_calls = []
+    if calls is not None:
+        first = calls.calls
+        content, parsed = calls.feed(content, final)
+        tool_calls = [
+            DeltaToolCall(
+                index=first + i,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            for i, c in enumerate(parsed)
+        ]
+    if not reasoning and not content and not tool_calls and not final:
         return None
-    return DeltaMessage(content=content or None, reasoning=reasoning or None)
+    if stream is None and not tool_calls:
+        return DeltaMessage(content=content)
+    return DeltaMessage(
+        content=content or None, reasoning=reasoning or None, tool_calls=tool_calls
+    )
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that called tools and stopped finishes with "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -95,9 +149,35 @@ class OpenAIServingChat(OpenAIServing):
         models: OpenAIServingModels,
         reasoning_parser: Qwen3ReasoningParser | None = None,
         enable_prompt_tokens_details: bool = False,
+        tool_parser: HermesToolParser | None = None,
     ) -> None:
         super().__init__(engine, models, enable_prompt_tokens_details)
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser  # with auto tool choice enabled
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> HermesToolParser | None:
+        """The parser of this request's replies: with tools and choice
+        "auto"; other choices refused by name."""
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if request.tools else "none"
+        if choice == "none":
+            return None
+        if choice != "auto":
+            raise OpenAIError(
+                f"tool_choice: {choice!r} needs guided decoding, which this "
+                'server does not have; expected "auto" or "none"',
+                param="tool_choice",
+            )
+        if not request.tools:
+            raise OpenAIError('tool_choice: "auto" needs tools', param="tool_choice")
+        if self.tool_parser is None:
+            raise OpenAIError(
+                'tool_choice: "auto" tool choice requires --enable-auto-tool-choice '
+                "and --tool-call-parser to be set",
+                param="tool_choice",
+            )
+        return self.tool_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.models.check(request.model)
@@ -106,6 +186,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(
                 "top_logprobs: only allowed with logprobs=true", param="top_logprobs"
             )
+        tool_parser = self._tool_parser(request)
         prompt = await off_the_loop(self.chat_prompt_ids, request.messages, request)
         renames = {"prompt": "messages"}
         max_tokens = request.max_tokens
@@ -126,10 +207,20 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.stream:
             events = self._events(
-                stream, response, prompt, request, options, top, thinking
+                stream, response, prompt, request, options, top, thinking, tool_parser
             )
             return sse_response(events, stream)
         choices = await collect(stream, request.n)
+        messages = [
+            chat_message(
+                self.reasoning_parser,
+                choice.text or "",
+                thinking,
+                request.include_reasoning,
+                tool_parser,
+            )
+            for choice in choices
+        ]
         result = ChatCompletionResponse(
             id=response.id,
             created=response.created,
@@ -137,18 +228,17 @@ class OpenAIServingChat(OpenAIServing):
             choices=[
                 ChatCompletionResponseChoice(
                     index=index,
-                    message=chat_message(
-                        self.reasoning_parser,
-                        choice.text or "",
-                        thinking,
-                        request.include_reasoning,
-                    ),
+                    message=message,
                     logprobs=None
                     if top is None
                     else self._logprobs(choice.token_ids, choice.logprobs, top),
-                    finish_reason=choice.finish_reason,
+                    finish_reason=_finish_reason(
+                        choice.finish_reason, bool(message.tool_calls)
+                    ),
                 )
-                for index, choice in enumerate(choices)
+                for index, (choice, message) in enumerate(
+                    zip(choices, messages, strict=True)
+                )
             ],
             usage=usage(
                 [prompt],
@@ -188,12 +278,16 @@ class OpenAIServingChat(OpenAIServing):
         options: StreamOptions,
         top: int | None,
         thinking: bool,
+        tool_parser: HermesToolParser | None,
     ) -> AsyncIterator[str]:
         event = ChunkEvents(response).event
         parser = self.reasoning_parser
         splits: list[ReasoningStream | None] = [None] * request.n
         if parser is not None:  # one state per choice
             splits = [parser.stream(thinking) for _ in range(request.n)]
+        calls: list[ToolCallStream | None] = [None] * request.n
+        if tool_parser is not None:
+            calls = [tool_parser.stream() for _ in range(request.n)]
 
         for index in range(request.n):
             role = DeltaMessage(role="assistant", content="")
@@ -215,14 +309,18 @@ class OpenAIServingChat(OpenAIServing):
                     out.text or "",
                     delta.finished,
                     request.include_reasoning,
+                    calls[index],
                 )
                 if message is None and logprobs is None:
                     continue
+                called = calls[index]
                 choice = ChatCompletionResponseStreamChoice(
                     index=index,
                     delta=message or DeltaMessage(content=""),
                     logprobs=logprobs,
-                    finish_reason=out.finish_reason,
+                    finish_reason=_finish_reason(
+                        out.finish_reason, called is not None and called.calls > 0
+                    ),
                 )
                 events.append(event(choice))
             if events:

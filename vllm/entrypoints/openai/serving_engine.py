@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,31 @@ from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
+
+
+def _template_message(message: ChatCompletionMessageParam) -> dict[str, Any]:
+    """A message as chat templates read it: an earlier call's arguments as
+    an object (Qwen3's template writes a string as it is), as vLLM does."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                raise OpenAIError(
+                    f"messages: a tool call's arguments are not JSON: "
+                    f"{call.function.arguments[:80]!r}",
+                    param="messages",
+                ) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        rendered["tool_calls"] = calls
+    return rendered
 
 
 def sse(payload: BaseModel) -> str:
@@ -235,7 +261,11 @@ class OpenAIServing:
                     "arguments; give the template's variables",
                     param="chat_template_kwargs",
                 )
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [_template_message(m) for m in messages]
+        if options.tools:
+            variables = variables | {
+                "tools": [t.model_dump(exclude_none=True) for t in options.tools]
+            }
         try:
             text = tokenizer.apply_chat_template(
                 conversation,

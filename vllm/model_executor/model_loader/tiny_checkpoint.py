@@ -17,10 +17,25 @@ from typing import Any
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen3's shape, its enable_thinking switch included
+# Qwen3's shape, its enable_thinking switch and its tools included: the
+# tools listed in the system turn, an assistant's calls as <tool_call> JSON,
+# a tool's reply as a user turn's <tool_response>
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n\n<tools>"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\nCall a "
+    'function with <tool_call>{"name": ..., "arguments": ...}</tool_call>.'
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>\n"
+    '{"name": "{{ c[\'function\'][\'name\'] }}", "arguments": '
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )

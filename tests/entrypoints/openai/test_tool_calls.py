@@ -1,0 +1,126 @@
+"""Tools through the official client: ``vllm serve --enable-auto-tool-choice
+--tool-call-parser hermes`` renders them with the chat template, takes a
+conversation that carries earlier calls and their results, and answers a
+reply that calls nothing as plain content, streamed or not (the tiny
+model's random reply calls no tool: the split of calls from a reply is
+tested in ``tests/tool_parsers`` and ``test_serving_chat.py``). The
+choices it cannot honour are 400s naming ``tool_choice``."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import MODEL, SERVER_ARGS
+from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWERED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call-1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def tool_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RemoteOpenAIServer]:
+    log = tmp_path_factory.mktemp("tool_server") / "server.log"
+    args = [*SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    with RemoteOpenAIServer(tiny_model, args, log) as remote:
+        yield remote
+
+
+def _prompt(server: RemoteOpenAIServer, **body: object) -> str:
+    tokens = httpx.post(server.url_for("tokenize"), json=body).json()["tokens"]
+    return httpx.post(server.url_for("detokenize"), json={"tokens": tokens}).json()[
+        "prompt"
+    ]
+
+
+def test_tools_and_earlier_calls_reach_the_template(tool_server):
+    listed = _prompt(tool_server, messages=ASK, tools=TOOLS)
+    assert "<tools>" in listed and '"name": "get_weather"' in listed
+    assert "<tools>" not in _prompt(tool_server, messages=ASK)
+    answered = _prompt(tool_server, messages=ANSWERED, tools=TOOLS)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in answered
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in answered
+
+
+@pytest.mark.parametrize("messages", [ASK, ANSWERED], ids=["ask", "answered"])
+def test_a_reply_that_calls_nothing_is_content(tool_server, messages):
+    client = tool_server.client()
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0)
+    prompt = httpx.post(
+        tool_server.url_for("tokenize"), json={"messages": messages, "tools": TOOLS}
+    ).json()["tokens"]
+    plain = client.completions.create(prompt=prompt, **kwargs).choices[0]
+    assert "<tool_call>" not in plain.text
+    chat = client.chat.completions.create(messages=messages, tools=TOOLS, **kwargs)
+    reply = chat.choices[0]
+    assert (reply.message.content, reply.message.tool_calls) == (plain.text, [])
+    assert reply.finish_reason == plain.finish_reason
+    content = ""
+    calls: list[object] = []
+    reasons: list[str | None] = []
+    for chunk in client.chat.completions.create(
+        messages=messages, tools=TOOLS, stream=True, **kwargs
+    ):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            reasons.append(choice.finish_reason)
+    assert (content, calls, reasons[-1]) == (plain.text, [], plain.finish_reason)
+
+
+def _status(server: RemoteOpenAIServer, **body: object) -> tuple[int, str | None]:
+    r = httpx.post(
+        server.url_for("v1", "chat/completions"),
+        json={"model": MODEL, "max_tokens": 2, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    return r.status_code, r.json()["error"]["param"] if r.status_code != 200 else None
+
+
+def test_choices_it_cannot_honour_are_named(tool_server, server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for body in (
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "required"},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": named},
+        {"messages": ASK, "tool_choice": "auto"},  # no tools to call
+    ):
+        assert _status(tool_server, **body) == (400, "tool_choice")
+    function = {"name": "get_weather", "arguments": "{oops"}
+    call = {"id": "c", "type": "function", "function": function}
+    broken = {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert _status(tool_server, messages=[*ASK, broken]) == (400, "messages")
+    # without --enable-auto-tool-choice: "auto" (the default with tools) is
+    # refused, as vLLM does; "none" renders the tools and parses nothing
+    assert _status(server, messages=ASK, tools=TOOLS) == (400, "tool_choice")
+    assert _status(server, messages=ASK, tools=TOOLS, tool_choice="none") == (200, None)
