@@ -26,7 +26,7 @@ def _calls(calls) -> list[tuple[str, dict]]:
         (
             "Let me check.\n" + WEATHER + "\n" + TIME,
             "Let me check.\n",
-            [("get_weather", {"city": "Paris"}), ("now", {})],
+            [("get_weather", {"city": "Paris"}), ("now", "{}")],  # a string stays one
         ),
         (WEATHER + "\nDone.", "Done.", [("get_weather", {"city": "Paris"})]),
         # cut off by max_tokens after a whole call: it still counts
@@ -48,6 +48,7 @@ def test_a_whole_reply(reply, content, calls):
         WEATHER + '<tool_call>{"arguments": {}}</tool_call>',  # a call without name
         '<tool_call>{"name": "get_weather", "argu',  # cut off inside the JSON
         "<tool_call>[1, 2]</tool_call>",
+        '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",
     ],
 )
 def test_a_call_that_does_not_parse_leaves_all_as_content(reply):
@@ -55,17 +56,40 @@ def test_a_call_that_does_not_parse_leaves_all_as_content(reply):
 
 
 @pytest.mark.parametrize(
-    "reply", ["Let me check.\n" + WEATHER + "\n" + TIME, "plain <tool text", WEATHER]
+    "reply",
+    [
+        "Let me check.\n" + WEATHER + "\n" + TIME,
+        "plain <tool text",
+        WEATHER,
+        "<tool_call>oops</tool_call>\n\nThe answer",  # blanks after a non-call kept
+    ],
 )
 def test_every_split_streams_like_the_whole_reply(reply):
     content, calls = PARSER.extract(reply)
-    for cut in range(len(reply) + 1):
-        stream = PARSER.stream()
-        first = stream.feed(reply[:cut], False)
-        last = stream.feed(reply[cut:], True)
-        assert first[0] + last[0] == (content or "")
-        assert _calls(first[1] + last[1]) == _calls(calls)
-        assert stream.calls == len(calls)
+    step = max(1, len(reply) // 12)
+    for first_cut in range(0, len(reply) + 1, step):
+        for second_cut in range(first_cut, len(reply) + 1, step):
+            stream = PARSER.stream()
+            pieces = [
+                stream.feed(reply[:first_cut], False),
+                stream.feed(reply[first_cut:second_cut], False),
+                stream.feed(reply[second_cut:], True),
+            ]
+            assert "".join(p[0] for p in pieces) == (content or "")
+            assert _calls([c for p in pieces for c in p[1]]) == _calls(calls)
+            assert stream.calls == len(calls)
+
+
+def test_a_call_after_a_sent_one_that_does_not_parse_streams_as_text():
+    """Streamed, the first call is out before the second fails (the whole
+    reply would be all content)."""
+    reply = WEATHER + "<tool_call>{bad}</tool_call>"
+    content, calls = PARSER.stream().feed(reply, True)
+    assert (content, _calls(calls)) == (
+        "<tool_call>{bad}</tool_call>",
+        [_calls(PARSER.extract(WEATHER)[1])[0]],
+    )
+    assert PARSER.extract(reply) == (reply, [])
 
 
 def test_a_possible_tag_is_held_until_the_text_decides():

@@ -3,10 +3,10 @@ tool with ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
 As vLLM's ``hermes`` parser. The text outside the calls is the reply's
 content (``None`` when empty; blanks after a call dropped); each call's
-arguments become a JSON string. A call that is not such JSON (a model's
-slip, or one cut off by ``max_tokens``) leaves the whole reply as
-content, so nothing is lost; an unclosed last call that is whole JSON
-still counts.
+arguments become a JSON string (a string argument too: vLLM dumps it). A
+call that is not such JSON (a model's slip, or one cut off by
+``max_tokens``) leaves the whole reply as content, so nothing is lost; an
+unclosed last call that is whole JSON still counts.
 
 Streamed, content passes through until a tag may start (a tail that may
 still become ``<tool_call>`` is held back, as the reasoning parser does);
@@ -35,16 +35,17 @@ class ParsedToolCall:
 
 
 def _parse_call(body: str) -> ParsedToolCall | None:
-    """The call in a tag's body, or None where it is not a call."""
+    """The call in a tag's body, or None where it is not a call (nesting too
+    deep to parse included)."""
     try:
         call = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+    # always dumped, a string too (as vLLM): what goes out is JSON that the
+    # client can send back
+    arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
     return ParsedToolCall(call["name"], arguments)
 
 
@@ -85,7 +86,7 @@ class ToolCallStream:
                 else:
                     calls.append(call)
                 self.held = self.held[end + len(CALL_END) :]
-                self.in_call, self.after_call = False, True
+                self.in_call, self.after_call = False, call is not None
             else:
                 if self.after_call:
                     self.held = self.held.lstrip()

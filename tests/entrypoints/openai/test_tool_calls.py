@@ -114,12 +114,17 @@ def test_choices_it_cannot_honour_are_named(tool_server, server):
         {"messages": ASK, "tools": TOOLS, "tool_choice": "required"},
         {"messages": ASK, "tools": TOOLS, "tool_choice": named},
         {"messages": ASK, "tool_choice": "auto"},  # no tools to call
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "bogus"},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": {}},
     ):
         assert _status(tool_server, **body) == (400, "tool_choice")
     function = {"name": "get_weather", "arguments": "{oops"}
     call = {"id": "c", "type": "function", "function": function}
     broken = {"role": "assistant", "content": "", "tool_calls": [call]}
     assert _status(tool_server, messages=[*ASK, broken]) == (400, "messages")
+    for depth in (600, 100_000):  # too deep to copy for the template, to parse
+        function["arguments"] = "[" * depth + "]" * depth
+        assert _status(tool_server, messages=[*ASK, broken]) == (400, "messages")
     # without --enable-auto-tool-choice: "auto" (the default with tools) is
     # refused, as vLLM does; "none" renders the tools and parses nothing
     assert _status(server, messages=ASK, tools=TOOLS) == (400, "tool_choice")

@@ -146,12 +146,17 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str  # JSON
+
+
 class ToolCallParam(RequestModel):
     """An assistant message's earlier call, sent back in the conversation."""
 
     id: str
     type: Literal["function"] = "function"
-    function: FunctionCall
+    function: FunctionCallParam
 
 
 class ChatCompletionMessageParam(RequestModel):

@@ -16,7 +16,8 @@ as ``content`` (``null`` while there is none), streamed alike;
 (``--enable-auto-tool-choice --tool-call-parser``) and ``tool_choice``
 ``"auto"`` (the default with tools) the answer's calls come as
 ``tool_calls`` (streamed whole, one delta per call) with finish reason
-``"tool_calls"``; ``"none"`` leaves them in the content. ``"required"`` and
+``"tool_calls"`` (also when cut short, as vLLM reports it); ``"none"``
+leaves them in the content. ``"required"`` and
 a named function would need guided decoding, which this server lacks:
 refused, as is ``"auto"`` without a parser (vLLM's message).
 """
@@ -108,8 +109,9 @@ def delta_message(
     include_reasoning: bool,
     calls: ToolCallStream | None = None,
 ) -> DeltaMessage | None:
-    """A streamed reply's new ``text`` as a delta; None while all of it is
-    held back (a final delta is always sent, for its finish reason)."""
+    """A streamed reply's new ``text`` as a delta, split by the reasoning
+    ``stream`` and the tool ``calls`` stream where given; None while all of
+    it is held back (a final delta is always sent, for its finish reason)."""
     reasoning, content = "", text
     if stream is not None:
         reasoning, content = stream.feed(text, final)
@@ -138,8 +140,9 @@ def delta_message(
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """A reply that called tools and stopped finishes with "tool_calls"."""
-    return "tool_calls" if called and reason == "stop" else reason
+    """A finished reply that called tools finishes with "tool_calls" (cut
+    short too, as in vLLM)."""
+    return "tool_calls" if called and reason is not None else reason
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -163,10 +166,17 @@ class OpenAIServingChat(OpenAIServing):
             choice = "auto" if request.tools else "none"
         if choice == "none":
             return None
-        if choice != "auto":
+        named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
+        if choice == "required" or named:
             raise OpenAIError(
                 f"tool_choice: {choice!r} needs guided decoding, which this "
                 'server does not have; expected "auto" or "none"',
+                param="tool_choice",
+            )
+        if choice != "auto":
+            raise OpenAIError(
+                'tool_choice: expected "none", "auto", "required" or '
+                f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
                 param="tool_choice",
             )
         if not request.tools:

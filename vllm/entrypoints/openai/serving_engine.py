@@ -65,7 +65,7 @@ def _template_message(message: ChatCompletionMessageParam) -> dict[str, Any]:
         for call in message.tool_calls:
             try:
                 arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise OpenAIError(
                     f"messages: a tool call's arguments are not JSON: "
                     f"{call.function.arguments[:80]!r}",
@@ -274,8 +274,9 @@ class OpenAIServing:
                 tokenize=False,
                 **variables,
             )
-        # no template, a broken one, or one that trips on a variable's type
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
+        # no template, a broken one, one that trips on a variable's type, or
+        # a message or tool nested too deep to copy
+        except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
             raise OpenAIError(
                 f"messages: the chat template failed: {e}", param="messages"
             ) from None

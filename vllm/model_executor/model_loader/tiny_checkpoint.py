@@ -19,7 +19,8 @@ import torch
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen3's shape, its enable_thinking switch and its tools included: the
 # tools listed in the system turn, an assistant's calls as <tool_call> JSON,
-# a tool's reply as a user turn's <tool_response>
+# a tool's reply as a user turn's <tool_response> (simpler than Qwen3's:
+# each reply its own turn, no newline before a call)
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
     "{{ messages[0]['content'] }}\n\n{% endif %}# Tools\n\n<tools>"
