@@ -1,19 +1,27 @@
 """Tools through the official client: ``vllm serve --enable-auto-tool-choice
 --tool-call-parser hermes`` renders them with the chat template, takes a
-conversation that carries earlier calls and their results, and answers a
-reply that calls nothing as plain content, streamed or not (the tiny
-model's random reply calls no tool: the split of calls from a reply is
-tested in ``tests/tool_parsers`` and ``test_serving_chat.py``). The
-choices it cannot honour are 400s naming ``tool_choice``."""
+conversation that carries earlier calls and their results, answers a reply
+that calls nothing as plain content, and one that calls as ``tool_calls``,
+streamed or not. The tiny model's random reply calls no tool, so a second
+checkpoint's tokenizer holds a whole call as one added token, which a
+``logit_bias`` makes the reply. The choices the server cannot honour are
+400s naming ``tool_choice``."""
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 
 from tests.entrypoints.openai.conftest import MODEL, SERVER_ARGS
 from tests.entrypoints.openai.utils import API_KEY, RemoteOpenAIServer
+from vllm.model_executor.model_loader.tiny_checkpoint import (
+    TINY_CONFIG,
+    build_tiny_checkpoint,
+    train_tokenizer,
+)
 
 TOOLS = [
     {
@@ -47,13 +55,33 @@ ANSWERED = [
 ]
 
 
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="module")
+def calling_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RemoteOpenAIServer, int]]:
+    """A server whose tokenizer's last id is the whole of ``CALL``; with
+    that id."""
+    path = tmp_path_factory.mktemp("calling_model")
+    build_tiny_checkpoint(path, with_tokenizer=False)
+    tokenizer = train_tokenizer(TINY_CONFIG["vocab_size"] - 1)
+    tokenizer.add_tokens([CALL])
+    call_id = tokenizer.convert_tokens_to_ids(CALL)
+    assert call_id == TINY_CONFIG["vocab_size"] - 1
+    tokenizer.save_pretrained(path)
+    with RemoteOpenAIServer(path, [*SERVER_ARGS, *TOOL_ARGS], path / "log") as remote:
+        yield remote, call_id
+
+
 @pytest.fixture(scope="module")
 def tool_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RemoteOpenAIServer]:
     log = tmp_path_factory.mktemp("tool_server") / "server.log"
-    args = [*SERVER_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    with RemoteOpenAIServer(tiny_model, args, log) as remote:
+    with RemoteOpenAIServer(tiny_model, [*SERVER_ARGS, *TOOL_ARGS], log) as remote:
         yield remote
 
 
@@ -129,3 +157,55 @@ def test_choices_it_cannot_honour_are_named(tool_server, server):
     # refused, as vLLM does; "none" renders the tools and parses nothing
     assert _status(server, messages=ASK, tools=TOOLS) == (400, "tool_choice")
     assert _status(server, messages=ASK, tools=TOOLS, tool_choice="none") == (200, None)
+
+
+def test_a_reply_that_calls_comes_back_as_tool_calls(calling_server):
+    server, call_id = calling_server
+    client = server.client()
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=1,
+        n=2,
+        logit_bias={str(call_id): 100},
+    )
+    reply = client.chat.completions.create(**kwargs)
+    for choice in reply.choices:
+        assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+        [call] = choice.message.tool_calls
+        assert (call.type, call.function.name) == ("function", "get_weather")
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert len({c.message.tool_calls[0].id for c in reply.choices}) == 2
+    deltas: dict[int, list[ChoiceDeltaToolCall]] = {0: [], 1: []}
+    reasons: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            deltas[choice.index] += choice.delta.tool_calls or []
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for calls in deltas.values():
+        [delta] = calls  # the whole call in one delta
+        function = delta.function
+        assert function is not None and function.arguments is not None
+        assert (delta.index, delta.type, function.name) == (
+            0,
+            "function",
+            "get_weather",
+        )
+        assert json.loads(function.arguments) == {"city": "Paris"}
+    # sent back with the tool's result, the call is the conversation's
+    message = reply.choices[0].message
+    result = {
+        "role": "tool",
+        "tool_call_id": message.tool_calls[0].id,
+        "content": "21 C",
+    }
+    turn = client.chat.completions.create(
+        **(kwargs | {"messages": [*ASK, message.model_dump(), result], "n": 1})
+    )
+    assert turn.choices[0].message.tool_calls
+    # with tool_choice "none" the same reply is content
+    plain = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
+    assert (plain.message.content, plain.message.tool_calls) == (CALL, [])
+    assert plain.finish_reason == "length"
