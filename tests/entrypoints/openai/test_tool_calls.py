@@ -209,3 +209,26 @@ def test_a_reply_that_calls_comes_back_as_tool_calls(calling_server):
     plain = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
     assert (plain.message.content, plain.message.tool_calls) == (CALL, [])
     assert plain.finish_reason == "length"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first(calling_server, parallel):
+    server, call_id = calling_server
+    client = server.client()
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=2,  # the call twice
+        logit_bias={str(call_id): 100},
+        parallel_tool_calls=parallel,
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert len(message.tool_calls or []) == (2 if parallel else 1)
+    streamed = [
+        call.index
+        for chunk in client.chat.completions.create(stream=True, **kwargs)
+        for choice in chunk.choices
+        for call in choice.delta.tool_calls or []
+    ]
+    assert streamed == ([0, 1] if parallel else [0])

@@ -209,6 +209,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     include_reasoning: bool = True  # under a reasoning parser (vLLM's field)
     # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: a reply's first call only
 
 
 class ChatMessage(BaseModel):

@@ -17,7 +17,8 @@ as ``content`` (``null`` while there is none), streamed alike;
 ``"auto"`` (the default with tools) the answer's calls come as
 ``tool_calls`` (streamed whole, one delta per call) with finish reason
 ``"tool_calls"`` (also when cut short, as vLLM reports it); ``"none"``
-leaves them in the content. ``"required"`` and
+leaves them in the content; ``parallel_tool_calls: false`` keeps a reply's
+first call only (vLLM's). ``"required"`` and
 a named function would need guided decoding, which this server lacks:
 refused, as is ``"auto"`` without a parser (vLLM's message).
 """
@@ -231,6 +232,9 @@ class OpenAIServingChat(OpenAIServing):
             )
             for choice in choices
         ]
+        if not request.parallel_tool_calls:
+            for message in messages:
+                del message.tool_calls[1:]
         result = ChatCompletionResponse(
             id=response.id,
             created=response.created,
@@ -321,6 +325,8 @@ class OpenAIServingChat(OpenAIServing):
                     request.include_reasoning,
                     calls[index],
                 )
+                if message is not None and not request.parallel_tool_calls:
+                    message.tool_calls = [c for c in message.tool_calls if c.index == 0]
                 if message is None and logprobs is None:
                     continue
                 called = calls[index]
