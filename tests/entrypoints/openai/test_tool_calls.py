@@ -10,6 +10,7 @@ checkpoint's tokenizer holds a whole call as one added token, which a
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -159,17 +160,21 @@ def test_choices_it_cannot_honour_are_named(tool_server, server):
     assert _status(server, messages=ASK, tools=TOOLS, tool_choice="none") == (200, None)
 
 
-def test_a_reply_that_calls_comes_back_as_tool_calls(calling_server):
-    server, call_id = calling_server
-    client = server.client()
-    kwargs = dict(
+def _calling(call_id: int, **extra: object) -> dict[str, Any]:
+    """A chat request with tools whose reply is the call, token after token."""
+    return dict(
         model=MODEL,
         messages=ASK,
         tools=TOOLS,
-        max_tokens=1,
-        n=2,
         logit_bias={str(call_id): 100},
+        **extra,
     )
+
+
+def test_a_reply_that_calls_comes_back_as_tool_calls(calling_server):
+    server, call_id = calling_server
+    client = server.client()
+    kwargs = _calling(call_id, max_tokens=1, n=2)
     reply = client.chat.completions.create(**kwargs)
     for choice in reply.choices:
         assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
@@ -215,14 +220,8 @@ def test_a_reply_that_calls_comes_back_as_tool_calls(calling_server):
 def test_parallel_tool_calls_false_keeps_the_first(calling_server, parallel):
     server, call_id = calling_server
     client = server.client()
-    kwargs = dict(
-        model=MODEL,
-        messages=ASK,
-        tools=TOOLS,
-        max_tokens=2,  # the call twice
-        logit_bias={str(call_id): 100},
-        parallel_tool_calls=parallel,
-    )
+    # max_tokens 2: the call twice
+    kwargs = _calling(call_id, max_tokens=2, parallel_tool_calls=parallel)
     message = client.chat.completions.create(**kwargs).choices[0].message
     assert len(message.tool_calls or []) == (2 if parallel else 1)
     streamed = [

@@ -135,34 +135,24 @@ class ChatCompletionContentPartText(RequestModel):
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
+    """A reply's call; also an assistant message's earlier one, sent back in
+    the conversation (validated as requests are)."""
+
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionCallParam(RequestModel):
-    name: str
-    arguments: str  # JSON
-
-
-class ToolCallParam(RequestModel):
-    """An assistant message's earlier call, sent back in the conversation."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallParam
-
-
 class ChatCompletionMessageParam(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatCompletionContentPartText] | None = None
-    tool_calls: list[ToolCallParam] | None = None  # an assistant's
+    tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's reply to that call
     name: str | None = None
 
