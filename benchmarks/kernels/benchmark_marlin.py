@@ -1,11 +1,15 @@
 """Marlin-style W4A16 GEMM against a bf16 matmul, and the runtime op's cost.
 
-For each (N, K) and M: the Triton W4A16 kernel and bf16 ``torch.matmul`` on
-the same shapes, both timed with ``triton.testing.do_bench`` (median); the
-weight-streaming rate (int4 weights + bf16 scales over the W4A16 time) and its
-fraction of the copy bandwidth measured in the same run. Then the host cost of
-``torch.ops.vllm.marlin_gemm`` (workspace resolved inside the op) over a
-direct kernel call with a given workspace.
+For each (N, K) and M: ``marlin_gemm`` with its default path (up to
+``GEMV_MAX_M`` rows the CUDA-core decode kernel, else the tensor-core one),
+the tensor-core kernel alone where the default is the decode kernel, and a
+bf16 ``torch.matmul`` on the same shapes: CUDA-graph replay, timed in turn in
+each repeat, each call reading its own copy of the weights (the copies
+rotate past twice the L2, as a decode step reads weights L2 has not kept).
+Then the weight-streaming rate (int4 weights + bf16 scales over the W4A16
+time) and its fraction of the copy bandwidth measured in the same run, and
+the host cost of ``torch.ops.vllm.marlin_gemm`` (workspace resolved inside
+the op) over a direct kernel call with a given workspace.
 
     python -m benchmarks.kernels.benchmark_marlin --shapes 8192x8192
 """
@@ -14,23 +18,28 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from vllm.benchmarks.utils import copy_bandwidth_gbps, write_results
+from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
 from vllm.model_executor.kernels import marlin as kernel
+from vllm.model_executor.kernels.marlin.config import default_config
+from vllm.model_executor.kernels.marlin.gemv import GEMV_MAX_M
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     get_marlin_workspace,
     marlin_quantize_and_repack,
 )
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
-M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
-SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096)]
+M_VALUES = [1, 4, 16, 64, 256, 1024, 4096]
+SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336)]
 GROUP_SIZE = 128
+L2_BYTES = 50 * 2**20  # H200
+ITERS = 20  # calls per graph
 
 
 @dataclass
@@ -39,47 +48,61 @@ class Row:
     k: int
     m: int
     marlin_us: float
+    tensor_core_us: float | None  # the tensor-core kernel, where not the default
     bf16_us: float
     speedup: float
     weight_gbps: float
     copy_frac: float
 
 
-def bench_shape(n: int, k: int, ms: list[int], copy_gbps: float) -> list[Row]:
-    import triton.testing
+def _copies(nbytes: int) -> int:
+    return max(1, -(-2 * L2_BYTES // nbytes))
 
+
+def time_point(
+    m: int,
+    w4: list[tuple[torch.Tensor, torch.Tensor]],
+    bf16: list[torch.Tensor],
+) -> dict[str, float]:
+    """Microseconds per call of the default path, bf16, and the tensor-core
+    kernel where it is not the default, at M rows."""
+    n, k = bf16[0].shape
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    workspace = get_marlin_workspace("cuda")
+
+    def w4a16(i: int, config: kernel.MarlinConfig | None = None) -> None:
+        p, s = w4[i % len(w4)]
+        kernel.marlin_gemm(
+            a, p, s, workspace, group_size=GROUP_SIZE, size_n=n, size_k=k,
+            out=out, config=config,
+        )  # fmt: skip
+
+    steps: dict[str, Callable[[int], object]] = {
+        "w4a16": w4a16,
+        "bf16": lambda i: torch.matmul(a, bf16[i % len(bf16)].t(), out=out),
+    }
+    if m <= GEMV_MAX_M:
+        tc = default_config(m, n, k, a.device)
+        steps["tensor core"] = lambda i: w4a16(i, tc)
+    return time_graphs_us(steps, ITERS)
+
+
+def bench_shape(n: int, k: int, ms: list[int], copy_gbps: float) -> list[Row]:
     w = torch.randn(n, k, device="cuda") / k**0.5
     packed, scales = marlin_quantize_and_repack(w, GROUP_SIZE, torch.bfloat16)
-    w_bf16 = w.to(torch.bfloat16)
-    workspace = get_marlin_workspace("cuda")
     weight_bytes = packed.nbytes + scales.nbytes
+    w4 = [(packed.clone(), scales.clone()) for _ in range(_copies(weight_bytes))]
+    w_bf16 = w.to(torch.bfloat16)
+    bf16 = [w_bf16.clone() for _ in range(_copies(w_bf16.nbytes))]
     rows = []
     for m in ms:
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-
-        def run_marlin(a: torch.Tensor = a, out: torch.Tensor = out) -> None:
-            kernel.marlin_gemm(
-                a,
-                packed,
-                scales,
-                workspace,
-                group_size=GROUP_SIZE,
-                size_n=n,
-                size_k=k,
-                out=out,
-            )
-
-        marlin_us = 1e3 * triton.testing.do_bench(run_marlin, return_mode="median")
-        bf16_us = 1e3 * triton.testing.do_bench(
-            lambda a=a: torch.matmul(a, w_bf16.t()), return_mode="median"
-        )
-        gbps = weight_bytes / (marlin_us * 1e-6) / 1e9
-        rows.append(
-            Row(
-                n, k, m, marlin_us, bf16_us, bf16_us / marlin_us, gbps, gbps / copy_gbps
-            )
-        )
+        us = time_point(m, w4, bf16)
+        gbps = weight_bytes / (us["w4a16"] * 1e-6) / 1e9
+        speedup = us["bf16"] / us["w4a16"]
+        row = Row(n, k, m, us["w4a16"], us.get("tensor core"), us["bf16"], speedup,
+                  gbps, gbps / copy_gbps)  # fmt: skip
+        rows.append(row)
     return rows
 
 
@@ -151,18 +174,20 @@ def main() -> None:
 
     print(
         f"\ndevice: {torch.cuda.get_device_name()}; copy {copy_gbps:.0f} GB/s; "
-        f"W4A16 uint4, group {GROUP_SIZE}, bf16"
+        f"W4A16 uint4, group {GROUP_SIZE}, bf16; CUDA-graph replay, timed in turn"
     )
     head = (
-        f"{'N x K':>12} {'M':>5} | {'W4A16 us':>9} {'bf16 us':>8} {'x bf16':>7} | "
-        f"{'weights GB/s':>12} {'copy%':>6}"
+        f"{'N x K':>12} {'M':>5} | {'W4A16 us':>9} {'tensor-core us':>14} "
+        f"{'bf16 us':>8} {'x bf16':>7} | {'weights GB/s':>12} {'copy%':>6}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
+        tc = "-" if r.tensor_core_us is None else f"{r.tensor_core_us:.1f}"
         print(
-            f"{f'{r.n}x{r.k}':>12} {r.m:>5} | {r.marlin_us:>9.1f} {r.bf16_us:>8.1f} "
-            f"{r.speedup:>7.2f} | {r.weight_gbps:>12.0f} {100 * r.copy_frac:>5.0f}%"
+            f"{f'{r.n}x{r.k}':>12} {r.m:>5} | {r.marlin_us:>9.1f} {tc:>14} "
+            f"{r.bf16_us:>8.1f} {r.speedup:>7.2f} | {r.weight_gbps:>12.0f} "
+            f"{100 * r.copy_frac:>5.0f}%"
         )
     print("host time per call (M=1, 256x256):")
     for name, us in host_us.items():

@@ -24,6 +24,12 @@ from vllm.model_executor.kernels.marlin.config import (
     marlin_workspace_numel,
     resident_programs,
 )
+from vllm.model_executor.kernels.marlin.gemv import (
+    GEMV_MAX_M,
+    GemvConfig,
+    default_gemv_config,
+    launch_gemv,
+)
 from vllm.model_executor.kernels.marlin.kernels import (
     _marlin_gemm_grouped_kernel,
     _marlin_gemm_kernel,
@@ -127,7 +133,7 @@ def marlin_gemm(
     size_n: int,
     size_k: int,
     out: torch.Tensor | None = None,
-    config: MarlinConfig | None = None,
+    config: MarlinConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
     """``a[M, K] @ dequant(b_packed)^T -> [M, N]`` in ``a``'s dtype.
 
@@ -135,7 +141,9 @@ def marlin_gemm(
     ``[K // group_size, N]`` (or ``[1, N]`` with ``group_size == -1``) in
     ``a``'s dtype; ``workspace``: int32 lock counters, all zero, at least
     :func:`marlin_workspace_numel` long. No host sync, no allocation except
-    ``out`` when not given.
+    ``out`` when not given. Up to ``GEMV_MAX_M`` rows (or with a
+    :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs, which
+    leaves the workspace alone.
     """
     check_marlin_args(
         a,
@@ -149,6 +157,11 @@ def marlin_gemm(
     out = _output(a, size_n, out)
     m = a.shape[0]
     if m == 0:
+        return out
+    if isinstance(config, GemvConfig) or (config is None and m <= GEMV_MAX_M):
+        if not isinstance(config, GemvConfig):
+            config = default_gemv_config(m, size_n, size_k)
+        launch_gemv(a, b_packed, scales, out, group_size, config)
         return out
 
     cfg = config or default_config(m, size_n, size_k, a.device)

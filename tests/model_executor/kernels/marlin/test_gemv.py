@@ -1,0 +1,172 @@
+"""The W4A16 decode kernel (``marlin/gemv.py``) against the exact product.
+
+The kernel never rounds a weight to 16 bits, so the oracle is the fp32
+product with the dequantized weights kept in fp32; the bound is the output's
+16-bit rounding plus fp32 accumulation over the terms' magnitudes. CPU runs
+go through TRITON_INTERPRET at tiny sizes; ``gpu`` tests use model sizes.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from vllm.model_executor.kernels.marlin import (
+    marlin_gemm,
+    marlin_workspace_numel,
+    quantize_weights,
+    repack_weights,
+    unpack_weights,
+)
+from vllm.model_executor.kernels.marlin.gemv import GEMV_MAX_M, GemvConfig
+
+# The interpreter rounds to bf16 by truncation: one ulp, not half.
+ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _exact(a, packed, scales, group_size):
+    """The fp32 product with the dequantized weights kept in fp32, and the
+    bound each output element must meet."""
+    g = a.shape[1] if group_size == -1 else group_size
+    w = (unpack_weights(packed).float() - 8) * scales.float().t().repeat_interleave(
+        g, dim=1
+    )
+    exact = a.float() @ w.t()
+    terms = a.float().abs() @ w.abs().t()
+    return exact, ROUNDING[a.dtype] * exact.abs() + 1e-5 * terms
+
+
+def _problem(m, n, k, group_size, dtype, device):
+    """Fresh random A, packed weights and scales, and :func:`_exact`."""
+    q, scales = quantize_weights(torch.randn(n, k, device=device), group_size)
+    scales = scales.to(dtype)
+    packed = repack_weights(q)
+    a = (torch.randn(m, k, device=device) * 3).to(dtype)
+    return a, packed, scales, *_exact(a, packed, scales, group_size)
+
+
+def _check(out, exact, bound):
+    error = (out.float() - exact).abs()
+    assert bool((error <= bound).all()), (
+        f"{int((error > bound).sum())} of {error.numel()} outside the bound; "
+        f"max error {float(error.max())}"
+    )
+
+
+def _workspace(device):
+    return torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
+
+
+# (N, K, group): N not a multiple of block_n, K not a multiple of block_k
+# (the tail step masked), groups of 128 / 256 / per channel.
+SHAPES = [(40, 384, 128), (64, 512, 256), (24, 256, -1), (8, 128, 128)]
+CONFIGS = [GemvConfig(8, 256, 1), GemvConfig(16, 512, 2)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_exact_product(device, shape, m, dtype, config):
+    n, k, group_size = shape
+    a, packed, scales, exact, bound = _problem(m, n, k, group_size, dtype, device)
+    locks = _workspace(device)
+    locks[0] = 1000  # poisoned: the kernel must not read or clear it
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    res = marlin_gemm(
+        a, packed, scales, locks, group_size=group_size, size_n=n, size_k=k,
+        out=out, config=config,
+    )  # fmt: skip
+    assert res is out
+    _check(out, exact, bound)
+    assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
+
+
+def test_default_dispatch_by_rows(device):
+    """Up to GEMV_MAX_M rows the default path is this kernel (it leaves a
+    poisoned lock alone); one row more takes the tensor-core kernel, whose
+    lock protocol passes over the poison, and both match."""
+    n, k = 48, 256
+    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
+        a, packed, scales, exact, bound = _problem(m, n, k, 128, torch.float16, device)
+        out = marlin_gemm(
+            a, packed, scales, _workspace(device), group_size=128, size_n=n, size_k=k
+        )
+        # The tensor-core kernel rounds weights to fp16 first: a looser bound.
+        _check(out, exact, bound if m <= GEMV_MAX_M else 4 * bound + 1e-2)
+
+
+def test_rows_of_a_with_a_stride(device):
+    """A as a view with a row stride larger than K (a slice of a wider
+    buffer): only its own columns are read."""
+    n, k = 16, 256
+    a, packed, scales, exact, bound = _problem(3, n, k, 128, torch.bfloat16, device)
+    wide = torch.full((3, k + 128), float("inf"), dtype=a.dtype, device=device)
+    wide[:, :k] = a
+    out = marlin_gemm(
+        wide[:, :k], packed, scales, _workspace(device), group_size=128, size_n=n,
+        size_k=k, config=GemvConfig(8, 256, 1),
+    )  # fmt: skip
+    _check(out, exact, bound)
+
+
+def test_bad_configs_raise(device):
+    n, k = 16, 256
+    a, packed, scales, _, _ = _problem(GEMV_MAX_M + 1, n, k, 128, torch.float16, device)
+    call = functools.partial(
+        marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(device),
+        group_size=128, size_n=n, size_k=k,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="a: at most"):
+        call(a, config=GemvConfig(8, 256, 1))
+    with pytest.raises(ValueError, match="block_k"):
+        call(a[:1], config=GemvConfig(8, 384, 1))
+    with pytest.raises(ValueError, match="lanes"):
+        call(a[:1], config=GemvConfig(8, 256, 2))
+    with pytest.raises(ValueError, match="block_n"):
+        call(a[:1], config=GemvConfig(12, 256, 1))
+
+
+GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_model_sizes(shape, m, group_size):
+    n, k = shape
+    dev = torch.device("cuda")
+    a, packed, scales, exact, bound = _problem(m, n, k, group_size, torch.bfloat16, dev)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    marlin_gemm(
+        a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
+        size_k=k, out=out,
+    )  # fmt: skip
+    _check(out, exact, bound)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_inputs():
+    m, n, k = 2, 8192, 8192
+    dev = torch.device("cuda")
+    a, packed, scales, _, _ = _problem(m, n, k, 128, torch.bfloat16, dev)
+    locks = _workspace(dev)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    gemm = functools.partial(
+        marlin_gemm, b_packed=packed, scales=scales, workspace=locks,
+        group_size=128, size_n=n, size_k=k, out=out,
+    )  # fmt: skip
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        gemm(a)  # compile outside capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemm(a)
+    for _ in range(2):
+        a.copy_(torch.randn_like(a.float()).to(a.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, *_exact(a, packed, scales, 128))

@@ -1,0 +1,249 @@
+"""The Marlin-style W4A16 GEMM at decode sizes (a few rows of A), on the CUDA
+cores: launched by :func:`~.gemm.marlin_gemm` for ``M <= GEMV_MAX_M``.
+
+At a few rows the GEMM only has to stream the packed weights once; the
+tensor-core kernel (:mod:`.kernels`) pads M to 16 and runs a serial global ->
+shared -> register -> dequantize -> layout-convert -> wgmma chain per K step,
+which keeps it at a third of the copy bandwidth (docs/marlin.md). Here each
+program streams ``BLOCK_N`` whole weight rows in 16-byte loads, the next
+K step's words in flight while the current ones are multiplied, and nothing
+goes through shared memory.
+
+Dequantization without shifts or int-to-float conversions: nibble ``i`` of a
+word, masked in place (``word & 0xF << 4i``) and ORed into the fp32 pattern of
+2^23, is exactly ``2^23 + q * 16^i``; subtracting ``2^23 + 8 * 16^i`` leaves
+``(q - 8) * 16^i``, exact, and the activation it multiplies was scaled by
+``16^-i`` once per program step (shared by all ``BLOCK_N`` rows). The upper
+four nibbles take one shift per word. So a weight costs a LOP3, an FSUB and
+one FMA per row of A. Products are summed per 128-column chunk in fp32 and
+then scaled by the chunk's group scale (no weight is rounded to 16 bits:
+closer to the exact product than the tensor-core kernel). No split-K: the
+lock workspace is not touched.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.kernels.marlin.config import TILE_K
+
+# Up to this many rows of A the CUDA-core kernel beats the tensor-core one
+# (benchmarks/RESULTS.md, `benchmark_marlin.py`): FMAs grow with the rows,
+# the dequantization does not.
+GEMV_MAX_M = 4
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Weight rows per program, K columns per step (a multiple of ``TILE_K``)
+    and warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The measured best on the H200 (``benchmarks/tuning/tune_marlin.py
+    --gemv``)."""
+    return GemvConfig(block_n=16, block_k=1024, num_warps=4)
+
+
+@triton.jit
+def _nibble(words, i: tl.constexpr):
+    """fp32 ``q - 8`` of nibble ``i`` of each word: masked in place and ORed
+    into the fp32 pattern of 2^(23 - 4i), it reads as 2^(23 - 4i) + q."""
+    pattern = ((words & (15 << (4 * i))) | ((150 - 4 * i) << 23)).to(
+        tl.float32, bitcast=True
+    )
+    return pattern - ((1 << (23 - 4 * i)) + 8)
+
+
+@triton.jit
+def _row_terms(
+    x_ptr,  # one row of A at this K step
+    k_left,  # columns of the row from here on
+    offs_w,
+    w0,
+    w1,
+    w2,
+    w3,
+    w4,
+    w5,
+    w6,
+    w7,  # [BLOCK_N, WORDS] q - 8 of nibbles 0..7
+):
+    """fp32 [BLOCK_N, WORDS]: each word's 8 weights times the row's columns."""
+    x = tl.load(
+        x_ptr + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :],
+        mask=(offs_w * 8 < k_left)[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    # Column j = 4a + 2b + e of a word sits in nibble (2a + b) + 4e.
+    x_even, x_odd = tl.split(tl.reshape(x, (offs_w.shape[0], 2, 2, 2)))
+    x_e0, x_e1 = tl.split(x_even)
+    x_o0, x_o1 = tl.split(x_odd)
+    x0, x2 = tl.split(x_e0)
+    x1, x3 = tl.split(x_e1)
+    x4, x6 = tl.split(x_o0)
+    x5, x7 = tl.split(x_o1)
+    return (
+        w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
+        + w4 * x4[None, :] + w5 * x5[None, :] + w6 * x6[None, :] + w7 * x7[None, :]
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_bn", "stride_sn"])
+def _marlin_gemv_kernel(
+    a_ptr,
+    b_ptr,
+    s_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    # Unspecialized, so that Triton cannot prove rows 16-byte aligned: the
+    # weights are read one word per lane (4-byte loads, 128 B per warp) and
+    # a lane holds the same words of every row, whose activations arrive in
+    # one 16-byte load per word, shared by the BLOCK_N rows. With 16-byte
+    # weight loads a lane would hold 4 words, and their activations would
+    # pass through shared memory (a layout conversion per K step).
+    stride_bn,
+    stride_sn,  # 1, unspecialized: scales are read in the weights' layout
+    stride_cm,
+    GROUP_SIZE: tl.constexpr,  # -1: per-channel scales
+    BLOCK_M: tl.constexpr,  # <= 4
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    WORDS: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_w[None, :]
+    acc0 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    # Words past K or N read as 0x88888888: every nibble 8, i.e. weight 0.
+    packed = tl.load(
+        b_ptrs, mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=-2004318072
+    )
+    for k in range(0, K, BLOCK_K):
+        next_ok = (offs_w + (k + BLOCK_K) // 8 < K // 8)[None, :]
+        packed_next = tl.load(
+            b_ptrs + (k + BLOCK_K) // 8,
+            mask=mask_n[:, None] & next_ok,
+            other=-2004318072,
+        )
+        upper = packed >> 16
+        w0 = _nibble(packed, 0)
+        w1 = _nibble(packed, 1)
+        w2 = _nibble(packed, 2)
+        w3 = _nibble(packed, 3)
+        w4 = _nibble(upper, 0)
+        w5 = _nibble(upper, 1)
+        w6 = _nibble(upper, 2)
+        w7 = _nibble(upper, 3)
+        if GROUP_SIZE > 0:
+            # Per word, not per group: a group spans lanes, and summing it
+            # across them every step costs more shuffles than these loads
+            # (lanes of one group read one address). Loaded as [WORDS,
+            # BLOCK_N] and transposed: Triton then lays the words over the
+            # lanes as in the weights (no shared-memory conversion).
+            scale = (
+                tl.load(
+                    s_ptr
+                    + ((k + offs_w * 8) // GROUP_SIZE)[:, None] * N
+                    + offs_n[None, :] * stride_sn,
+                    mask=mask_n[None, :] & (k + offs_w * 8 < K)[:, None],
+                    other=0.0,
+                )
+                .to(tl.float32)
+                .T
+            )
+        else:
+            scale = tl.full((BLOCK_N, WORDS), 1.0, tl.float32)
+        x_ptr = a_ptr + k
+        # Rows past M read zeros (their k_left is 0) and are not stored.
+        acc0 += scale * _row_terms(x_ptr, K - k, offs_w, w0, w1, w2, w3, w4, w5, w6, w7)
+        if BLOCK_M > 1:
+            acc1 += scale * _row_terms(
+                x_ptr + stride_am, tl.where(M > 1, K - k, 0), offs_w,
+                w0, w1, w2, w3, w4, w5, w6, w7,
+            )  # fmt: skip
+        if BLOCK_M > 2:
+            acc2 += scale * _row_terms(
+                x_ptr + 2 * stride_am, tl.where(M > 2, K - k, 0), offs_w,
+                w0, w1, w2, w3, w4, w5, w6, w7,
+            )  # fmt: skip
+            acc3 += scale * _row_terms(
+                x_ptr + 3 * stride_am, tl.where(M > 3, K - k, 0), offs_w,
+                w0, w1, w2, w3, w4, w5, w6, w7,
+            )  # fmt: skip
+        packed = packed_next
+    if GROUP_SIZE < 0:
+        channel = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    else:
+        channel = tl.full((BLOCK_N,), 1.0, tl.float32)
+    dtype = c_ptr.dtype.element_ty
+    c_ptrs = c_ptr + offs_n
+    row = tl.zeros((BLOCK_N,), dtype=tl.int32)  # the row stored, as a vector
+    tl.store(c_ptrs, (tl.sum(acc0, axis=1) * channel).to(dtype), mask=mask_n)
+    if BLOCK_M > 1:
+        c_ptrs += stride_cm
+        out = tl.sum(acc1, 1) * channel
+        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 1 < M))
+    if BLOCK_M > 2:
+        c_ptrs += stride_cm
+        out = tl.sum(acc2, 1) * channel
+        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 2 < M))
+        c_ptrs += stride_cm
+        out = tl.sum(acc3, 1) * channel
+        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 3 < M))
+
+
+def launch_gemv(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    group_size: int,
+    cfg: GemvConfig,
+) -> None:
+    """One launch over checked arguments (:func:`~.gemm.marlin_gemm` checks)."""
+    m, k = a.shape
+    n = out.shape[1]
+    if m > GEMV_MAX_M:
+        raise ValueError(f"a: at most {GEMV_MAX_M} rows for a GemvConfig, got {m}")
+    if cfg.block_k % TILE_K or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(
+            f"config: block_k must be a power of two multiple of {TILE_K}: {cfg}"
+        )
+    if cfg.block_k // 8 < 32 * cfg.num_warps:
+        raise ValueError(
+            f"config: block_k / 8 words must cover the 32 x num_warps lanes: {cfg}"
+        )
+    if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"config: block_n must be a power of two: {cfg}")
+    _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        a,
+        b_packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b_packed.stride(0),
+        scales.stride(1),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+    )
