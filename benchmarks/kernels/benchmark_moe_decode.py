@@ -1,6 +1,7 @@
 """The MoE layer at decode sizes against the bytes it must read.
 
-For bf16 (``triton``), fp8 (``triton_fp8``) and uint4 (``triton_w4a8``)
+For bf16 (``triton``), fp8 (``triton_fp8``), uint4 (``triton_w4a8``) and
+W4A16 (``marlin``, :mod:`~vllm.model_executor.kernels.marlin.moe_decode`)
 experts at each token count: the layer as the model calls it (the router's
 GEMM and routing, fused at 1 token, then the modular kernel), timed
 under CUDA-graph replay on the decode kernels (route by route,
@@ -40,10 +41,19 @@ from vllm.model_executor.kernels.common.router_topk import router_topk_applies
 from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
 from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
 from vllm.model_executor.kernels.grouped_gemm.decode import default_decode_config
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    MarlinDecodeConfig,
+    default_marlin_decode_config,
+    marlin_moe_decode,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
     QuantScheme,
+)
+from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import (
+    GROUP_SIZE,
+    MarlinExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
     TritonExpertsFp8,
@@ -64,8 +74,9 @@ SCHEMES = {
     "bf16": ("triton", QuantScheme.UNQUANTIZED),
     "fp8": ("triton_fp8", QuantScheme.FP8_PER_TOKEN),
     "w4a8": ("triton_w4a8", QuantScheme.W4A8_UINT4),
+    "w4a16": ("marlin", QuantScheme.W4A16_UINT4),
 }
-DecodeExperts = TritonExperts | TritonExpertsFp8 | TritonExpertsW4A8
+DecodeExperts = TritonExperts | TritonExpertsFp8 | TritonExpertsW4A8 | MarlinExperts
 ITERS = 20  # layer calls per graph, each with its own routing
 MAX_ACC = 128  # fp32 products per thread in a swept tile: beyond, spills
 
@@ -165,6 +176,7 @@ def bench(
         "bf16": 3 * i * k * 2,
         "fp8": 3 * i * k + (3 * i + k) * 4,
         "w4a8": 3 * i * k // 2 + 3 * i * k // 128 * 4,
+        "w4a16": 3 * i * k // 2 + 3 * i * k // 128 * 2,
     }[label]
     bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
@@ -172,12 +184,43 @@ def bench(
         times.get("split_router"), times["sorted"], launches["decode"],
         launches["sorted"],
     )  # fmt: skip
+    if isinstance(experts, MarlinExperts):
+        sweep = sweep_marlin_tiles(experts, hidden[0], ids) if args.sweep else {}
+        return row, sweep, str(default_marlin_decode_config())
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
+def sweep_marlin_tiles(
+    experts: MarlinExperts, hidden: torch.Tensor, ids: list[torch.Tensor]
+) -> dict[str, float]:
+    """:func:`sweep_tiles` for the W4A16 decode kernels."""
+    moe = experts.moe
+    rows, dtype = ids[0].numel(), hidden.dtype
+    weights = torch.rand(ids[0].shape, device=hidden.device)
+    act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
+    down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=dtype)
+    out = torch.empty_like(hidden)
+    steps = {}
+    for gated, down_tile in itertools.product(
+        ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8)),
+        ((8, 256, 1), (16, 256, 1), (32, 256, 1), (16, 512, 2), (8, 1024, 4)),
+    ):
+        config = MarlinDecodeConfig(*gated, *down_tile)
+
+        def step(it: int, config: MarlinDecodeConfig = config) -> None:
+            marlin_moe_decode(
+                hidden, ids[it], weights, experts.w13_packed, experts.w13_scales,
+                experts.w2_packed, experts.w2_scales, None, moe.activation,
+                GROUP_SIZE, act, down, out, config,
+            )  # fmt: skip
+
+        steps[str(config)] = step
+    return time_graphs_us(steps, ITERS, repeats=3)
+
+
 def sweep_tiles(
-    experts: DecodeExperts,
+    experts: TritonExperts | TritonExpertsFp8 | TritonExpertsW4A8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
 ) -> dict[str, float]:

@@ -95,48 +95,48 @@ def _row_terms(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_bn", "stride_sn"])
-def _marlin_gemv_kernel(
-    a_ptr,
-    b_ptr,
-    s_ptr,
-    c_ptr,
-    M,
-    N,
+@triton.jit
+def dot_rows(
+    w_rows,  # [BLOCK_N] pointers to each weight row's first packed word
+    s_rows,  # [BLOCK_N] pointers to each row's scale of group 0 (or channel)
+    row_ok,  # [BLOCK_N]
+    x_ptr,  # row 0 of A
+    stride_xm,
+    M,  # rows of A (<= BLOCK_M)
     K,
-    stride_am,
-    # Unspecialized, so that Triton cannot prove rows 16-byte aligned: the
-    # weights are read one word per lane (4-byte loads, 128 B per warp) and
-    # a lane holds the same words of every row, whose activations arrive in
-    # one 16-byte load per word, shared by the BLOCK_N rows. With 16-byte
-    # weight loads a lane would hold 4 words, and their activations would
-    # pass through shared memory (a layout conversion per K step).
-    stride_bn,
-    stride_sn,  # 1, unspecialized: scales are read in the weights' layout
-    stride_cm,
+    s_group_stride,  # elements from one group's scales to the next
     GROUP_SIZE: tl.constexpr,  # -1: per-channel scales
     BLOCK_M: tl.constexpr,  # <= 4
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """fp32 [BLOCK_N] products of the dequantized weight rows with each of
+    the (up to 4) rows of A; rows past M give zeros.
+
+    Callers compute ``w_rows`` / ``s_rows`` from unspecialized strides, so
+    that Triton cannot prove the rows 16-byte aligned: the weights are then
+    read one word per lane (4-byte loads, 128 B per warp) and a lane holds
+    the same words of every row, whose activations arrive in one 16-byte
+    load per word, shared by the BLOCK_N rows. With 16-byte weight loads a
+    lane would hold 4 words, and their activations would pass through
+    shared memory (a layout conversion per K step).
+    """
     WORDS: tl.constexpr = BLOCK_K // 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_w[None, :]
+    w_ptrs = w_rows[:, None] + offs_w[None, :]
     acc0 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    # Words past K or N read as 0x88888888: every nibble 8, i.e. weight 0.
+    # Words past K or the rows read as 0x88888888: every nibble 8, weight 0.
     packed = tl.load(
-        b_ptrs, mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=-2004318072
+        w_ptrs, mask=row_ok[:, None] & (offs_w < K // 8)[None, :], other=-2004318072
     )
     for k in range(0, K, BLOCK_K):
         next_ok = (offs_w + (k + BLOCK_K) // 8 < K // 8)[None, :]
         packed_next = tl.load(
-            b_ptrs + (k + BLOCK_K) // 8,
-            mask=mask_n[:, None] & next_ok,
+            w_ptrs + (k + BLOCK_K) // 8,
+            mask=row_ok[:, None] & next_ok,
             other=-2004318072,
         )
         upper = packed >> 16
@@ -154,12 +154,11 @@ def _marlin_gemv_kernel(
             # (lanes of one group read one address). Loaded as [WORDS,
             # BLOCK_N] and transposed: Triton then lays the words over the
             # lanes as in the weights (no shared-memory conversion).
+            group = (k + offs_w * 8) // GROUP_SIZE
             scale = (
                 tl.load(
-                    s_ptr
-                    + ((k + offs_w * 8) // GROUP_SIZE)[:, None] * N
-                    + offs_n[None, :] * stride_sn,
-                    mask=mask_n[None, :] & (k + offs_w * 8 < K)[:, None],
+                    s_rows[None, :] + group[:, None] * s_group_stride,
+                    mask=row_ok[None, :] & (k + offs_w * 8 < K)[:, None],
                     other=0.0,
                 )
                 .to(tl.float32)
@@ -167,43 +166,69 @@ def _marlin_gemv_kernel(
             )
         else:
             scale = tl.full((BLOCK_N, WORDS), 1.0, tl.float32)
-        x_ptr = a_ptr + k
-        # Rows past M read zeros (their k_left is 0) and are not stored.
-        acc0 += scale * _row_terms(x_ptr, K - k, offs_w, w0, w1, w2, w3, w4, w5, w6, w7)
+        x_k = x_ptr + k
+        # Rows past M read zeros (their columns left are 0).
+        acc0 += scale * _row_terms(x_k, K - k, offs_w, w0, w1, w2, w3, w4, w5, w6, w7)
         if BLOCK_M > 1:
             acc1 += scale * _row_terms(
-                x_ptr + stride_am, tl.where(M > 1, K - k, 0), offs_w,
+                x_k + stride_xm, tl.where(M > 1, K - k, 0), offs_w,
                 w0, w1, w2, w3, w4, w5, w6, w7,
             )  # fmt: skip
         if BLOCK_M > 2:
             acc2 += scale * _row_terms(
-                x_ptr + 2 * stride_am, tl.where(M > 2, K - k, 0), offs_w,
+                x_k + 2 * stride_xm, tl.where(M > 2, K - k, 0), offs_w,
                 w0, w1, w2, w3, w4, w5, w6, w7,
             )  # fmt: skip
             acc3 += scale * _row_terms(
-                x_ptr + 3 * stride_am, tl.where(M > 3, K - k, 0), offs_w,
+                x_k + 3 * stride_xm, tl.where(M > 3, K - k, 0), offs_w,
                 w0, w1, w2, w3, w4, w5, w6, w7,
             )  # fmt: skip
         packed = packed_next
     if GROUP_SIZE < 0:
-        channel = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        channel = tl.load(s_rows, mask=row_ok, other=0.0).to(tl.float32)
     else:
         channel = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return (
+        tl.sum(acc0, axis=1) * channel,
+        tl.sum(acc1, axis=1) * channel,
+        tl.sum(acc2, axis=1) * channel,
+        tl.sum(acc3, axis=1) * channel,
+    )
+
+
+@triton.jit(do_not_specialize=["stride_bn", "stride_sn"])
+def _marlin_gemv_kernel(
+    a_ptr,
+    b_ptr,
+    s_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,  # K // 8, unspecialized (see dot_rows)
+    stride_sn,  # 1, unspecialized: scales are read in the weights' layout
+    stride_cm,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    out0, out1, out2, out3 = dot_rows(
+        b_ptr + offs_n.to(tl.int64) * stride_bn, s_ptr + offs_n * stride_sn, mask_n,
+        a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + offs_n
     row = tl.zeros((BLOCK_N,), dtype=tl.int32)  # the row stored, as a vector
-    tl.store(c_ptrs, (tl.sum(acc0, axis=1) * channel).to(dtype), mask=mask_n)
+    tl.store(c_ptrs, out0.to(dtype), mask=mask_n)
     if BLOCK_M > 1:
-        c_ptrs += stride_cm
-        out = tl.sum(acc1, 1) * channel
-        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 1 < M))
+        tl.store(c_ptrs + stride_cm, out1.to(dtype), mask=mask_n & (row + 1 < M))
     if BLOCK_M > 2:
-        c_ptrs += stride_cm
-        out = tl.sum(acc2, 1) * channel
-        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 2 < M))
-        c_ptrs += stride_cm
-        out = tl.sum(acc3, 1) * channel
-        tl.store(c_ptrs, out.to(dtype), mask=mask_n & (row + 3 < M))
+        tl.store(c_ptrs + 2 * stride_cm, out2.to(dtype), mask=mask_n & (row + 2 < M))
+        tl.store(c_ptrs + 3 * stride_cm, out3.to(dtype), mask=mask_n & (row + 3 < M))
 
 
 def launch_gemv(

@@ -117,7 +117,9 @@ def test_marlin_moe_cpu(
     use_kernel(monkeypatch, kernel)
     seen = spy_workspaces(monkeypatch)
     check_moe(moe_config("cpu", topk, ep_size), tokens, "cpu", 2e-2)
-    assert len(seen) == (2 if kernel else 0)
+    # Decode batches take the route-by-route kernels, not the grouped ones.
+    sorted_path = kernel and tokens > MarlinExperts.decode_max_tokens
+    assert len(seen) == (2 if sorted_path else 0)
     assert all(locks is get_marlin_workspace("cpu") for locks in seen)
 
 
@@ -131,6 +133,7 @@ def test_locks_from_manager_not_experts(
     moe = moe_config(device, topk=2)
     w13, w2 = random_weights(moe, device)
     experts = MarlinExperts.from_unquantized(moe, w13, w2)
+    experts.decode_max_tokens = 0  # the sorted path: the one with locks
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     hidden = torch.randn(5, moe.hidden_size, device=device, dtype=moe.in_dtype)
     weights, ids = fused_topk(
@@ -157,6 +160,7 @@ def test_locks_from_manager_not_experts(
     total = workspace_init.memory_report().total_bytes
     workspace_init.lock()
     rebuilt = MarlinExperts.from_unquantized(moe, w13, w2)
+    rebuilt.decode_max_tokens = 0
     after = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), rebuilt).forward(
         hidden, weights, ids
     )
@@ -236,13 +240,14 @@ def test_marlin_moe_gpu(workspace_init, tokens: int, topk: int, ep_size: int):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_routing(workspace_init):
+@pytest.mark.parametrize("tokens", [4, 64])  # decode kernels, sorted path
+def test_gpu_cuda_graph_replay_with_new_routing(workspace_init, tokens: int):
     torch.manual_seed(5)
     moe = moe_config("cuda", topk=8)
     experts = MarlinExperts.from_unquantized(moe, *random_weights(moe, "cuda"))
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
-    hidden = torch.randn(64, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
-    logits = torch.randn(64, moe.num_experts, device="cuda")
+    hidden = torch.randn(tokens, moe.hidden_size, device="cuda", dtype=moe.in_dtype)
+    logits = torch.randn(tokens, moe.num_experts, device="cuda")
 
     def run() -> torch.Tensor:
         weights, ids = fused_topk(hidden, logits, 8, renormalize=True)

@@ -4,7 +4,10 @@ Weights are quantized and repacked once per expert
 (:meth:`MarlinExperts.from_unquantized`). Per call: ``moe_permute`` groups the
 routed rows by local expert into workspace13; grouped GEMM1 -> workspace2;
 gated activation -> workspace13; grouped GEMM2 -> workspace2;
-``moe_unpermute`` reduces into the output.
+``moe_unpermute`` reduces into the output. Decode batches (up to
+``MARLIN_DECODE_MAX_TOKENS`` tokens) skip the sort: :func:`marlin_moe_decode`
+runs each route's two products on the CUDA cores, its activations in
+workspace13 and weighted outputs in workspace2.
 
 CUDA tensors run the Triton kernel (:func:`marlin_gemm_grouped`: no host sync,
 capturable); CPU tensors run a reference (dequantize, one matmul per expert).
@@ -18,6 +21,7 @@ import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
+from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -37,6 +41,9 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 )
 
 GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
+# Up to this many tokens the route-by-route decode kernels run: per-route
+# weight reads cost little while few tokens share an expert.
+MARLIN_DECODE_MAX_TOKENS = 8
 
 
 def _grouped_gemm(
@@ -80,6 +87,8 @@ class MarlinExperts(FusedMoEExperts):
     """
 
     supported_schemes = (QuantScheme.W4A16_UINT4,)
+    # Token counts up to this take the decode kernels (benchmarks lower it).
+    decode_max_tokens: int = MARLIN_DECODE_MAX_TOKENS
 
     def __init__(
         self,
@@ -189,6 +198,24 @@ class MarlinExperts(FusedMoEExperts):
             )
         rows, dtype, device = topk_ids.numel(), moe.in_dtype, hidden_states.device
         k, i = moe.hidden_size, moe.intermediate_size
+        tokens = hidden_states.shape[0]
+        if runs_gpu_kernels(hidden_states) and tokens <= self.decode_max_tokens:
+            marlin_moe_decode(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                self.w13_packed,
+                self.w13_scales,
+                self.w2_packed,
+                self.w2_scales,
+                expert_map,
+                moe.activation,
+                GROUP_SIZE,
+                carve(workspace13, (rows, i), dtype),
+                carve(workspace2, (rows, k), dtype),
+                output,
+            )
+            return
         scratch = self.permute_scratch(device)
         locks = get_marlin_workspace(device)  # this slot's and stream's
         a_perm = carve(workspace13, (rows, k), dtype)

@@ -1,0 +1,210 @@
+"""The W4A16 experts' decode kernels (``marlin/moe_decode.py``) against the
+plain-PyTorch reference.
+
+Routing repeats an expert within a token, routes to the first and the last
+expert, and carries invalid ids (negative, past E) and, under
+``expert_map``, remote experts; ``act`` rows of routes without a local
+expert must stay untouched (poisoned). CPU runs use fp16 (the interpreter's
+bf16 rounds by truncation) at tiny sizes; ``gpu`` tests use model sizes.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    MarlinDecodeConfig,
+    marlin_moe_decode,
+    marlin_moe_decode_reference,
+)
+
+POISON = float("nan")
+
+
+def _pack(w: torch.Tensor, dtype: torch.dtype):
+    packed, scales = [], []
+    for e in range(w.shape[0]):
+        q, s = quantize_weights(w[e], 128)
+        packed.append(repack_weights(q))
+        scales.append(s.to(dtype))
+    return torch.stack(packed), torch.stack(scales)
+
+
+def _ids(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Random routes plus, where room, a repeated expert, experts 0 and E-1,
+    and invalid ids -1 and E."""
+    ids = torch.randint(0, experts, (tokens, topk), generator=gen)
+    special = [0, experts - 1, -1, experts]
+    for t in range(tokens):
+        ids[t, t % topk] = special[t % len(special)]
+        if topk > 1:
+            ids[t, (t + 1) % topk] = ids[t, (t + 2) % topk]  # a repeat
+    return ids.to(torch.int32)
+
+
+def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
+         expert_map=None, config=None, seed=0):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    w13, s13 = _pack(torch.randn(experts, 2 * inter, hidden, generator=gen), dtype)
+    w2, s2 = _pack(torch.randn(experts, hidden, inter, generator=gen) / 8, dtype)
+    num_ids = experts if expert_map is None else len(expert_map)
+    ids = _ids(tokens, topk, num_ids, gen)
+    x = (torch.randn(tokens, hidden, generator=gen) / 4).to(dtype)
+    tw = torch.rand(tokens, topk, generator=gen)
+    args = [t.to(device) for t in (x, ids, tw, w13, s13, w2, s2)]
+    emap = None if expert_map is None else expert_map.to(device)
+    act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
+    down = torch.full((tokens * topk, hidden), POISON, dtype=dtype, device=device)
+    out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
+    ref = torch.full_like(out, POISON)
+    call = functools.partial(
+        marlin_moe_decode, *args, emap, activation, 128, act, down, out, config
+    )
+    call()
+    marlin_moe_decode_reference(*args, emap, activation, 128, act.clone(),
+                                down.clone(), ref)  # fmt: skip
+    return out, ref, act, ids, emap
+
+
+def _local(ids: torch.Tensor, experts: int, expert_map) -> torch.Tensor:
+    """Whether each route has a local expert."""
+    ids = ids.long().cpu()
+    num_ids = experts if expert_map is None else len(expert_map)
+    valid = (ids >= 0) & (ids < num_ids)
+    if expert_map is not None:
+        mapped = expert_map.cpu().long()[ids.clamp(0, num_ids - 1)]
+        valid &= mapped >= 0
+    return valid
+
+
+def _close(out, ref, tolerance):
+    assert not torch.isnan(out).any()
+    scale = ref.float().abs().max().clamp_min(1e-6)
+    assert float((out.float() - ref.float()).abs().max() / scale) < tolerance
+
+
+CPU_CONFIG = MarlinDecodeConfig(8, 256, 1, 16, 256, 1)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize(
+    "config", [CPU_CONFIG, MarlinDecodeConfig(256, 256, 1, 256, 256, 1)], ids=str
+)
+def test_matches_reference(device, config, tokens, activation):
+    # hidden 384: GEMM1's K steps end in a masked tail; the 256-row config's
+    # tiles are partial (GEMM1: 128 of 256 pairs, GEMM2: 384 = 256 + 128)
+    out, ref, act, ids, _ = _run(
+        tokens, 384, 128, 5, 3, torch.float16, device, activation, config=config
+    )
+    _close(out, ref, 2e-3)
+    untouched = ~_local(ids, 5, None).flatten()
+    assert bool(torch.isnan(act[untouched.to(act.device)]).all())
+
+
+def test_expert_map_skips_remote_experts(device):
+    expert_map = torch.tensor([-1, 0, 2, -1, 1, -1], dtype=torch.int32)
+    out, ref, act, ids, _ = _run(
+        3, 256, 128, 3, 4, torch.float16, device, expert_map=expert_map,
+        config=CPU_CONFIG,
+    )  # fmt: skip
+    _close(out, ref, 2e-3)
+    local = _local(ids, 3, expert_map).flatten().to(act.device)
+    assert bool(torch.isnan(act[~local]).all())
+    assert not bool(torch.isnan(act[local]).any())
+
+
+def test_token_without_local_routes_gets_zeros(device):
+    gen = torch.Generator().manual_seed(1)
+    w13, s13 = _pack(torch.randn(2, 256, 128, generator=gen), torch.float16)
+    w2, s2 = _pack(torch.randn(2, 128, 128, generator=gen), torch.float16)
+    x = torch.randn(1, 128).half()
+    ids = torch.tensor([[-1, 2]], dtype=torch.int32)  # nothing valid
+    args = [t.to(device) for t in (x, ids, torch.rand(1, 2), w13, s13, w2, s2)]
+    out = torch.full((1, 128), POISON, dtype=torch.float16, device=device)
+    act = torch.empty(2, 128, dtype=torch.float16, device=device)
+    down = torch.empty(2, 128, dtype=torch.float16, device=device)
+    marlin_moe_decode(*args, None, "silu", 128, act, down, out, CPU_CONFIG)
+    assert bool((out == 0).all())
+
+
+def test_bad_inputs_raise(device):
+    gen = torch.Generator().manual_seed(2)
+    w13, s13 = _pack(torch.randn(2, 256, 128, generator=gen), torch.float16)
+    w2, s2 = _pack(torch.randn(2, 128, 128, generator=gen), torch.float16)
+    x, ids, tw = (
+        torch.randn(1, 128).half(),
+        torch.zeros(1, 2, dtype=torch.int32),
+        (torch.rand(1, 2)),
+    )
+    x, ids, tw, w13, s13, w2, s2 = (
+        t.to(device) for t in (x, ids, tw, w13, s13, w2, s2)
+    )
+    act = torch.empty(2, 128, dtype=torch.float16, device=device)
+    down = torch.empty(2, 128, dtype=torch.float16, device=device)
+    out = torch.empty(1, 128, dtype=torch.float16, device=device)
+    call = functools.partial(marlin_moe_decode, x, ids, tw)
+    rest = (None, "silu", 128, act, down, out, CPU_CONFIG)
+    with pytest.raises(ValueError, match="w13_scales"):
+        call(w13, s13.float(), w2, s2, *rest)
+    with pytest.raises(ValueError, match="w2"):
+        call(w13, s13, w2[:, :64], s2, *rest)
+    with pytest.raises(ValueError, match="group_size"):
+        call(w13, s13, w2, s2, None, "silu", 96, act, down, out)
+    with pytest.raises(ValueError, match="activation"):
+        call(w13, s13, w2, s2, None, "gelu", 128, act, down, out)
+    with pytest.raises(ValueError, match="down"):
+        call(w13, s13, w2, s2, None, "silu", 128, act, down[:1], out)
+    with pytest.raises(ValueError, match="config"):
+        call(w13, s13, w2, s2, None, "silu", 128, act, down, out,
+             MarlinDecodeConfig(4, 256, 2, 8, 256, 1))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 8])
+def test_gpu_model_sizes(tokens):
+    """Qwen3-30B-A3B's expert shapes, bf16, the shipped config."""
+    dev = torch.device("cuda")
+    out, ref, act, ids, _ = _run(tokens, 2048, 768, 128, 8, torch.bfloat16, dev)
+    _close(out, ref, 2e-2)
+    untouched = ~_local(ids, 128, None).flatten().to(dev)
+    assert bool(torch.isnan(act[untouched]).all())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_routing():
+    dev = torch.device("cuda")
+    tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8
+    gen = torch.Generator().manual_seed(3)
+    w13, s13 = _pack(
+        torch.randn(experts, 2 * inter, hidden, generator=gen), torch.bfloat16
+    )
+    w2, s2 = _pack(
+        torch.randn(experts, hidden, inter, generator=gen) / 8, torch.bfloat16
+    )
+    w13, s13, w2, s2 = (t.to(dev) for t in (w13, s13, w2, s2))
+    x = torch.randn(tokens, hidden, device=dev).bfloat16()
+    ids = torch.zeros(tokens, topk, dtype=torch.int32, device=dev)
+    tw = torch.rand(tokens, topk, device=dev)
+    act = torch.empty(tokens * topk, inter, dtype=torch.bfloat16, device=dev)
+    down = torch.empty(tokens * topk, hidden, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
+    call = functools.partial(marlin_moe_decode, x, ids, tw, w13, s13, w2, s2, None,
+                             "silu", 128, act, down, out)  # fmt: skip
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()  # compile outside capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    for seed in range(2):
+        ids.copy_(_ids(tokens, topk, experts, torch.Generator().manual_seed(seed)))
+        out.fill_(POISON)
+        graph.replay()
+        ref = torch.empty_like(out)
+        marlin_moe_decode_reference(x, ids, tw, w13, s13, w2, s2, None, "silu", 128,
+                                    act, down, ref)  # fmt: skip
+        _close(out, ref, 2e-2)

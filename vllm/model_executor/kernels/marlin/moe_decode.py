@@ -1,0 +1,336 @@
+"""The Marlin-style W4A16 experts of a decode batch, route by route: no sort,
+no permute, on the CUDA-core products of :func:`.gemv.dot_rows`.
+
+At a few tokens each routed expert sees one row, so the sorted path
+(permute -> grouped GEMMs -> unpermute) pays launches and 16-row tensor-core
+tiles for what is two matrix-vector products per route:
+
+- GEMM1 (:func:`_gated_kernel`): one program per (route, ``BLOCK_N``
+  intermediate columns) takes the expert's ``BLOCK_N`` gate rows and the
+  matching up rows (w13 holds gate rows, then up rows), multiplies them by
+  the token's hidden state and writes ``act(gate, up)`` into row ``route`` of
+  ``act`` [T * topk, I].
+- GEMM2 (:func:`_down_kernel`): one program per (route, ``BLOCK_N`` hidden
+  rows) writes ``topk_weight * act[route] @ w2[e]^T`` into row ``route`` of
+  ``down`` [T * topk, H] (zeros for a route without a local expert); one
+  ``torch.sum`` over each token's ``topk`` rows gives the output, in order
+  (deterministic, no atomics).
+
+A route whose expert id is outside [0, E) or, under ``expert_map``, not
+local adds nothing. The grids depend only on the token count: capturable in
+a CUDA graph. :func:`marlin_moe_decode_reference` is the plain-PyTorch
+oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.kernels.common.activation_quant import (
+    ACTIVATIONS,
+    MODES,
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
+    gated_act,
+    gated_act_reference,
+)
+from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
+from vllm.model_executor.kernels.marlin.gemv import dot_rows
+from vllm.model_executor.kernels.marlin.packing import dequantize_weights
+from vllm.model_executor.kernels.moe_permute.sort import route_bucket
+
+
+@triton.jit(do_not_specialize=["stride_wn", "stride_sn"])
+def _gated_kernel(
+    x_ptr,
+    ids_ptr,
+    map_ptr,
+    w_ptr,  # int32 [E, 2I, K // 8]
+    s_ptr,  # [E, K // GROUP_SIZE, 2I]
+    act_ptr,
+    K,
+    inter,
+    topk,
+    num_experts,
+    num_local,
+    stride_x,
+    stride_ids,
+    stride_act,
+    stride_we,
+    stride_wn,  # K // 8, unspecialized (see dot_rows)
+    stride_se,
+    stride_sn,  # 1, unspecialized
+    HAS_MAP: tl.constexpr,
+    MODE: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    route = tl.program_id(0)
+    token = route // topk
+    expert = route_bucket(
+        ids_ptr, map_ptr, token * stride_ids + route % topk, route >= 0,
+        num_experts, num_local, HAS_MAP,
+    )  # fmt: skip
+    if expert < num_local:
+        pair = tl.arange(0, 2 * BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_N + pair % BLOCK_N
+        rows = tl.where(pair < BLOCK_N, cols, inter + cols)  # gate rows, up rows
+        expert_64 = expert.to(tl.int64)
+        product, _, _, _ = dot_rows(
+            w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
+            s_ptr + expert_64 * stride_se + rows * stride_sn, cols < inter,
+            x_ptr + token * stride_x, 0, 1, K, 2 * inter,
+            GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        gate, up = tl.split(tl.reshape(product, (2, BLOCK_N)).T)
+        act = gated_act(gate, up, MODE, ALPHA, LIMIT)
+        cols_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(
+            act_ptr + route * stride_act + cols_out,
+            act.to(act_ptr.dtype.element_ty),
+            mask=cols_out < inter,
+        )
+
+
+@triton.jit(do_not_specialize=["stride_wn", "stride_sn"])
+def _down_kernel(
+    act_ptr,
+    ids_ptr,
+    map_ptr,
+    topk_weights_ptr,
+    w_ptr,  # int32 [E, H, I // 8]
+    s_ptr,  # [E, I // GROUP_SIZE, H]
+    down_ptr,
+    inter,
+    hidden,
+    topk,
+    num_experts,
+    num_local,
+    stride_act,
+    stride_ids,
+    stride_weights,
+    stride_down,
+    stride_we,
+    stride_wn,  # I // 8, unspecialized (see dot_rows)
+    stride_se,
+    stride_sn,  # 1, unspecialized
+    HAS_MAP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    route = tl.program_id(0)
+    token = route // topk
+    slot = token * stride_ids + route % topk
+    expert = route_bucket(
+        ids_ptr, map_ptr, slot, route >= 0, num_experts, num_local, HAS_MAP
+    )
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    product = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if expert < num_local:
+        expert_64 = expert.to(tl.int64)
+        product, _, _, _ = dot_rows(
+            w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
+            s_ptr + expert_64 * stride_se + rows * stride_sn, row_ok,
+            act_ptr + route * stride_act, 0, 1, inter, hidden,
+            GROUP_SIZE, 1, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        weight_slot = token * stride_weights + route % topk
+        product *= tl.load(topk_weights_ptr + weight_slot)
+    tl.store(
+        down_ptr + route * stride_down + rows,
+        product.to(down_ptr.dtype.element_ty),
+        mask=row_ok,
+    )
+
+
+@dataclass(frozen=True)
+class MarlinDecodeConfig:
+    """GEMM1's gate/up pairs and K step per program, GEMM2's rows and K step;
+    a K step of ``32 x num_warps`` words (``block_k / 8``) at least."""
+
+    gated_block_n: int
+    gated_block_k: int
+    gated_warps: int
+    down_block_n: int
+    down_block_k: int
+    down_warps: int
+
+
+def default_marlin_decode_config() -> MarlinDecodeConfig:
+    return MarlinDecodeConfig(8, 1024, 4, 16, 256, 1)
+
+
+def _check(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    down: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise naming the first argument that does not fit."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise arg_error("x", f"a [T, H] bf16 or fp16 tensor, got {x.dtype} {x.shape}")
+    (tokens, hidden), device = x.shape, x.device
+    check_rows("x", x, tokens, hidden, (x.dtype,), device)
+    if w13.dim() != 3 or w13.dtype != torch.int32 or w13.shape[2] * 8 != hidden:
+        raise arg_error(
+            "w13", f"int32 [E, 2I, {hidden // 8}], got {w13.dtype} {tuple(w13.shape)}"
+        )
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    if hidden % group_size or inter % group_size or group_size % 128:
+        raise arg_error(
+            "group_size", f"a multiple of 128 dividing {hidden} and {inter}, got "
+            f"{group_size}",
+        )  # fmt: skip
+    for name, t, shape, dtype in (
+        ("w13", w13, (experts, 2 * inter, hidden // 8), torch.int32),
+        ("w13_scales", w13_scales, (experts, hidden // group_size, 2 * inter), x.dtype),
+        ("w2", w2, (experts, hidden, inter // 8), torch.int32),
+        ("w2_scales", w2_scales, (experts, inter // group_size, hidden), x.dtype),
+    ):
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            raise arg_error(
+                name, f"{dtype} {list(shape)} on {device}, got {t.dtype} "
+                f"{list(t.shape)} on {t.device}",
+            )  # fmt: skip
+        if not t.is_contiguous():
+            raise arg_error(name, "a contiguous tensor")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise arg_error("topk_ids", f"[{tokens}, topk], got {tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    check_rows("topk_ids", topk_ids, tokens, topk, (torch.int32, torch.int64), device)
+    check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
+    if topk_weights.shape[0] != tokens:
+        raise arg_error("topk_weights", f"{tokens} rows, got {topk_weights.shape[0]}")
+    if expert_map is not None:
+        check_index("expert_map", expert_map, 1, device)
+    if activation not in ACTIVATIONS:
+        raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
+    check_rows("act", act, tokens * topk, inter, (x.dtype,), device)
+    check_rows("down", down, tokens * topk, hidden, (x.dtype,), device)
+    if out.shape != (tokens, hidden) or not out.is_contiguous():
+        raise arg_error("out", f"contiguous [{tokens}, {hidden}], got {out.shape}")
+    check_rows("out", out, tokens, hidden, (x.dtype,), device)
+
+
+def _check_config(config: MarlinDecodeConfig) -> None:
+    for block_n, block_k, warps in (
+        (config.gated_block_n, config.gated_block_k, config.gated_warps),
+        (config.down_block_n, config.down_block_k, config.down_warps),
+    ):
+        if (
+            block_n & (block_n - 1)
+            or block_k % 128
+            or block_k & (block_k - 1)
+            or block_k // 8 < 32 * warps
+        ):
+            raise arg_error(
+                "config", f"power-of-two block sizes, block_k a multiple of 128 "
+                f"covering 32 x warps words, got {config}",
+            )  # fmt: skip
+
+
+def marlin_moe_decode(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    down: torch.Tensor,
+    out: torch.Tensor,
+    config: MarlinDecodeConfig | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
+    :class:`MarlinExperts`' weights (w13 [E, 2I, H // 8] gate rows then up
+    rows, w2 [E, H, I // 8], scales [E, groups, N] in ``x``'s dtype);
+    ``act`` [>= T * topk, I] and ``down`` [>= T * topk, H] are scratch.
+    Returns ``out``."""
+    _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
+           activation, group_size, act, down, out)  # fmt: skip
+    config = config or default_marlin_decode_config()
+    _check_config(config)
+    tokens, hidden = x.shape
+    topk, inter, experts = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
+    if tokens == 0:
+        return out
+    num_ids = experts if expert_map is None else expert_map.numel()
+    map_arg = expert_map if expert_map is not None else topk_ids
+    routes = tokens * topk
+    _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
+        x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
+        experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
+        w13.stride(1), w13_scales.stride(0), w13_scales.stride(2),
+        HAS_MAP=expert_map is not None, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, BLOCK_N=config.gated_block_n,
+        BLOCK_K=config.gated_block_k, num_warps=config.gated_warps,
+    )  # fmt: skip
+    _down_kernel[(routes, triton.cdiv(hidden, config.down_block_n))](
+        act, topk_ids, map_arg, topk_weights, w2, w2_scales, down, inter, hidden,
+        topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
+        topk_weights.stride(0), down.stride(0), w2.stride(0), w2.stride(1),
+        w2_scales.stride(0), w2_scales.stride(2), HAS_MAP=expert_map is not None,
+        GROUP_SIZE=group_size, BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, num_warps=config.down_warps,
+    )  # fmt: skip
+    torch.sum(down[:routes].view(tokens, topk, hidden), dim=1, out=out)
+    return out
+
+
+def marlin_moe_decode_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    down: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`marlin_moe_decode` in plain PyTorch (fp32 math on the
+    dequantized weights; ``act`` and ``down`` untouched)."""
+    _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
+           activation, group_size, act, down, out)  # fmt: skip
+    ids = topk_ids.long()
+    num_ids = len(w13) if expert_map is None else len(expert_map)
+    valid = (ids >= 0) & (ids < num_ids)
+    if expert_map is not None:
+        ids = torch.where(valid, expert_map.long()[ids.clamp(0, num_ids - 1)], -1)
+        valid = ids >= 0
+    result = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for t, k in valid.nonzero().tolist():
+        e = int(ids[t, k])
+        gate_up = dequantize_weights(w13[e], w13_scales[e].float(), group_size)
+        h = gated_act_reference(activation, gate_up @ x[t].float())
+        h = h.to(x.dtype).float()  # act is stored in the input dtype
+        w_down = dequantize_weights(w2[e], w2_scales[e].float(), group_size)
+        partial = topk_weights[t, k] * (w_down @ h)
+        result[t] += partial.to(x.dtype).float()  # down is stored too
+    return out.copy_(result)
