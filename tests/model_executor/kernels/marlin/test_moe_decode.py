@@ -53,18 +53,19 @@ def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
     ids = _ids(tokens, topk, num_ids, gen)
     x = (torch.randn(tokens, hidden, generator=gen) / 4).to(dtype)
     tw = torch.rand(tokens, topk, generator=gen)
-    args = [t.to(device) for t in (x, ids, tw, w13, s13, w2, s2)]
+    x, ids, tw, w13, s13, w2, s2 = (
+        t.to(device) for t in (x, ids, tw, w13, s13, w2, s2)
+    )
+    weights = (w13, s13, w2, s2)
     emap = None if expert_map is None else expert_map.to(device)
     act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
     down = torch.full((tokens * topk, hidden), POISON, dtype=dtype, device=device)
     out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
     ref = torch.full_like(out, POISON)
-    call = functools.partial(
-        marlin_moe_decode, *args, emap, activation, 128, act, down, out, config
-    )
-    call()
-    marlin_moe_decode_reference(*args, emap, activation, 128, act.clone(),
-                                down.clone(), ref)  # fmt: skip
+    marlin_moe_decode(x, ids, tw, *weights, emap, activation, 128, act, down, out,
+                      config)  # fmt: skip
+    marlin_moe_decode_reference(x, ids, tw, *weights, emap, activation, 128,
+                                act.clone(), down.clone(), ref)  # fmt: skip
     return out, ref, act, ids, emap
 
 
@@ -122,11 +123,15 @@ def test_token_without_local_routes_gets_zeros(device):
     w2, s2 = _pack(torch.randn(2, 128, 128, generator=gen), torch.float16)
     x = torch.randn(1, 128).half()
     ids = torch.tensor([[-1, 2]], dtype=torch.int32)  # nothing valid
-    args = [t.to(device) for t in (x, ids, torch.rand(1, 2), w13, s13, w2, s2)]
+    x, ids, tw, w13, s13, w2, s2 = (
+        t.to(device) for t in (x, ids, torch.rand(1, 2), w13, s13, w2, s2)
+    )
     out = torch.full((1, 128), POISON, dtype=torch.float16, device=device)
     act = torch.empty(2, 128, dtype=torch.float16, device=device)
     down = torch.empty(2, 128, dtype=torch.float16, device=device)
-    marlin_moe_decode(*args, None, "silu", 128, act, down, out, CPU_CONFIG)
+    marlin_moe_decode(
+        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, down, out, CPU_CONFIG
+    )
     assert bool((out == 0).all())
 
 
