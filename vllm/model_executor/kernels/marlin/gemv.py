@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
 # Up to this many rows of A the CUDA-core kernel beats the tensor-core one
@@ -109,6 +110,7 @@ def dot_rows(
     BLOCK_M: tl.constexpr,  # <= 4
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
     the (up to 4) rows of A; rows past M give zeros.
@@ -120,6 +122,9 @@ def dot_rows(
     load per word, shared by the BLOCK_N rows. With 16-byte weight loads a
     lane would hold 4 words, and their activations would pass through
     shared memory (a layout conversion per K step).
+
+    With ``PDL`` it waits for the previous kernel (:func:`~.pdl.pdl_wait`)
+    after loading its first weights, before it reads A.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
@@ -132,6 +137,7 @@ def dot_rows(
     packed = tl.load(
         w_ptrs, mask=row_ok[:, None] & (offs_w < K // 8)[None, :], other=-2004318072
     )
+    pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         next_ok = (offs_w + (k + BLOCK_K) // 8 < K // 8)[None, :]
         packed_next = tl.load(
@@ -213,12 +219,13 @@ def _marlin_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     out0, out1, out2, out3 = dot_rows(
         b_ptr + offs_n.to(tl.int64) * stride_bn, s_ptr + offs_n * stride_sn, mask_n,
-        a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K,
+        a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
     )  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + offs_n
@@ -254,6 +261,7 @@ def launch_gemv(
         )
     if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"config: block_n must be a power of two: {cfg}")
+    launch_pdl = pdl(a.device)
     _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a,
         b_packed,
@@ -270,5 +278,7 @@ def launch_gemv(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        PDL=launch_pdl,
         num_warps=cfg.num_warps,
+        launch_pdl=launch_pdl,
     )

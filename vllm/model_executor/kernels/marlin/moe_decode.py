@@ -18,8 +18,9 @@ tiles for what is two matrix-vector products per route:
 
 A route whose expert id is outside [0, E) or, under ``expert_map``, not
 local adds nothing. The grids depend only on the token count: capturable in
-a CUDA graph. :func:`marlin_moe_decode_reference` is the plain-PyTorch
-oracle.
+a CUDA graph. Both kernels launch with programmatic dependent launch
+(:mod:`~.common.pdl`): GEMM2's first weights stream while GEMM1 finishes.
+:func:`marlin_moe_decode_reference` is the plain-PyTorch oracle.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
     gated_act_reference,
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
+from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.marlin.gemv import dot_rows
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
@@ -71,7 +73,9 @@ def _gated_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # the routing is the previous kernel's
     route = tl.program_id(0)
     token = route // topk
     expert = route_bucket(
@@ -87,7 +91,7 @@ def _gated_kernel(
             w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
             s_ptr + expert_64 * stride_se + rows * stride_sn, cols < inter,
             x_ptr + token * stride_x, 0, 1, K, 2 * inter,
-            GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K,
+            GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K, False,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(product, (2, BLOCK_N)).T)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
@@ -125,7 +129,10 @@ def _down_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # The routing is two launches back (readable before the wait, see pdl);
+    # act is the previous kernel's: dot_rows waits before reading it.
     route = tl.program_id(0)
     token = route // topk
     slot = token * stride_ids + route % topk
@@ -141,10 +148,12 @@ def _down_kernel(
             w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
             s_ptr + expert_64 * stride_se + rows * stride_sn, row_ok,
             act_ptr + route * stride_act, 0, 1, inter, hidden,
-            GROUP_SIZE, 1, BLOCK_N, BLOCK_K,
+            GROUP_SIZE, 1, BLOCK_N, BLOCK_K, PDL,
         )  # fmt: skip
         weight_slot = token * stride_weights + route % topk
         product *= tl.load(topk_weights_ptr + weight_slot)
+    else:
+        pdl_wait(PDL)  # stores come after the wait
     tl.store(
         down_ptr + route * stride_down + rows,
         product.to(down_ptr.dtype.element_ty),
@@ -279,13 +288,15 @@ def marlin_moe_decode(
     num_ids = experts if expert_map is None else expert_map.numel()
     map_arg = expert_map if expert_map is not None else topk_ids
     routes = tokens * topk
+    launch_pdl = pdl(x.device)
     _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
         experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
         w13.stride(1), w13_scales.stride(0), w13_scales.stride(2),
         HAS_MAP=expert_map is not None, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, BLOCK_N=config.gated_block_n,
-        BLOCK_K=config.gated_block_k, num_warps=config.gated_warps,
+        BLOCK_K=config.gated_block_k, PDL=launch_pdl, num_warps=config.gated_warps,
+        launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_kernel[(routes, triton.cdiv(hidden, config.down_block_n))](
         act, topk_ids, map_arg, topk_weights, w2, w2_scales, down, inter, hidden,
@@ -293,7 +304,8 @@ def marlin_moe_decode(
         topk_weights.stride(0), down.stride(0), w2.stride(0), w2.stride(1),
         w2_scales.stride(0), w2_scales.stride(2), HAS_MAP=expert_map is not None,
         GROUP_SIZE=group_size, BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, num_warps=config.down_warps,
+        BLOCK_K=config.down_block_k, PDL=launch_pdl, num_warps=config.down_warps,
+        launch_pdl=launch_pdl,
     )  # fmt: skip
     torch.sum(down[:routes].view(tokens, topk, hidden), dim=1, out=out)
     return out
