@@ -1,7 +1,7 @@
 """Marlin-style W4A16 GEMM against a bf16 matmul, and the runtime op's cost.
 
-For each (N, K) and M: ``marlin_gemm`` with its default path (up to
-``GEMV_MAX_M`` rows the CUDA-core decode kernel, else the tensor-core one),
+For each (N, K) and M: ``marlin_gemm`` with its default path (where
+``gemv_applies`` the CUDA-core decode kernel, else the tensor-core one),
 the tensor-core kernel alone where the default is the decode kernel, and a
 bf16 ``torch.matmul`` on the same shapes: CUDA-graph replay, timed in turn in
 each repeat, each call reading its own copy of the weights (the copies
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from vllm.benchmarks.utils import copy_bandwidth_gbps, time_graphs_us, write_results
 from vllm.model_executor.kernels import marlin as kernel
 from vllm.model_executor.kernels.marlin.config import default_config
-from vllm.model_executor.kernels.marlin.gemv import GEMV_MAX_M
+from vllm.model_executor.kernels.marlin.gemv import gemv_applies
 from vllm.model_executor.layers.quantization.utils.marlin_utils import (
     get_marlin_workspace,
     marlin_quantize_and_repack,
@@ -82,7 +82,7 @@ def time_point(
         "w4a16": w4a16,
         "bf16": lambda i: torch.matmul(a, bf16[i % len(bf16)].t(), out=out),
     }
-    if m <= GEMV_MAX_M:
+    if gemv_applies(m, n, k):
         tc = default_config(m, n, k, a.device)
         steps["tensor core"] = lambda i: w4a16(i, tc)
     return time_graphs_us(steps, ITERS)

@@ -186,7 +186,7 @@ def bench(
     )  # fmt: skip
     if isinstance(experts, MarlinExperts):
         sweep = sweep_marlin_tiles(experts, hidden[0], ids) if args.sweep else {}
-        return row, sweep, str(default_marlin_decode_config())
+        return row, sweep, str(default_marlin_decode_config(tokens))
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 

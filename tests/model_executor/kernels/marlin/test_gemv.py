@@ -18,7 +18,12 @@ from vllm.model_executor.kernels.marlin import (
     repack_weights,
     unpack_weights,
 )
-from vllm.model_executor.kernels.marlin.gemv import GEMV_MAX_M, GemvConfig
+from vllm.model_executor.kernels.marlin.gemv import (
+    GEMV_MAX_M,
+    GemvConfig,
+    default_gemv_config,
+    gemv_applies,
+)
 
 # The interpreter rounds to bf16 by truncation: one ulp, not half.
 ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -82,10 +87,15 @@ def test_matches_exact_product(device, shape, m, dtype, config):
     assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
 
 
+def test_gemv_applies_by_rows_and_size():
+    assert gemv_applies(1, 28672, 4096) and not gemv_applies(2, 8192, 8192)
+    assert gemv_applies(GEMV_MAX_M, 4096, 4096)
+    assert not gemv_applies(GEMV_MAX_M + 1, 64, 64)
+
+
 def test_default_dispatch_by_rows(device):
-    """Up to GEMV_MAX_M rows the default path is this kernel (it leaves a
-    poisoned lock alone); one row more takes the tensor-core kernel, whose
-    lock protocol passes over the poison, and both match."""
+    """Up to GEMV_MAX_M rows of a small weight the default path is this
+    kernel; one row more takes the tensor-core kernel, and both match."""
     n, k = 48, 256
     for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
         a, packed, scales, exact, bound = _problem(m, n, k, 128, torch.float16, device)
@@ -96,18 +106,20 @@ def test_default_dispatch_by_rows(device):
         _check(out, exact, bound if m <= GEMV_MAX_M else 4 * bound + 1e-2)
 
 
-def test_rows_of_a_with_a_stride(device):
-    """A as a view with a row stride larger than K (a slice of a wider
-    buffer): only its own columns are read."""
-    n, k = 16, 256
+def test_rows_of_a_and_out_with_a_stride(device):
+    """A and out as views with row strides past K and N (slices of wider
+    buffers) and a K-step tail: only their own columns are read / written."""
+    n, k = 16, 384
     a, packed, scales, exact, bound = _problem(3, n, k, 128, torch.bfloat16, device)
     wide = torch.full((3, k + 128), float("inf"), dtype=a.dtype, device=device)
     wide[:, :k] = a
-    out = marlin_gemm(
+    out = torch.full((3, n + 8), 7.0, dtype=a.dtype, device=device)
+    marlin_gemm(
         wide[:, :k], packed, scales, _workspace(device), group_size=128, size_n=n,
-        size_k=k, config=GemvConfig(8, 256, 1),
+        size_k=k, out=out[:, :n], config=GemvConfig(8, 256, 1),
     )  # fmt: skip
-    _check(out, exact, bound)
+    _check(out[:, :n], exact, bound)
+    assert bool((out[:, n:] == 7.0).all())
 
 
 def test_bad_configs_raise(device):
@@ -125,6 +137,8 @@ def test_bad_configs_raise(device):
         call(a[:1], config=GemvConfig(8, 256, 2))
     with pytest.raises(ValueError, match="block_n"):
         call(a[:1], config=GemvConfig(12, 256, 1))
+    with pytest.raises(ValueError, match="num_warps"):
+        call(a[:1], config=GemvConfig(8, 1024, 3))
 
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336)]
@@ -141,7 +155,7 @@ def test_gpu_model_sizes(shape, m, group_size):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out,
+        size_k=k, out=out, config=default_gemv_config(),
     )  # fmt: skip
     _check(out, exact, bound)
 
@@ -155,7 +169,7 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     gemm = functools.partial(
         marlin_gemm, b_packed=packed, scales=scales, workspace=locks,
-        group_size=128, size_n=n, size_k=k, out=out,
+        group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(),
     )  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

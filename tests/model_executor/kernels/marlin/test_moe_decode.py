@@ -44,11 +44,18 @@ def _ids(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Te
     return ids.to(torch.int32)
 
 
+def _weights(experts, hidden, inter, dtype, device, seed=0):
+    """Packed w13, its scales, w2, its scales: drawn and packed on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device)
+    w2 = torch.randn(experts, hidden, inter, generator=gen, device=device) / 8
+    return (*_pack(w13, dtype), *_pack(w2, dtype))
+
+
 def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
          expert_map=None, config=None, seed=0):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    w13, s13 = _pack(torch.randn(experts, 2 * inter, hidden, generator=gen), dtype)
-    w2, s2 = _pack(torch.randn(experts, hidden, inter, generator=gen) / 8, dtype)
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device, seed)
     num_ids = experts if expert_map is None else len(expert_map)
     ids = _ids(tokens, topk, num_ids, gen)
     x = (torch.randn(tokens, hidden, generator=gen) / 4).to(dtype)
@@ -96,9 +103,10 @@ CPU_CONFIG = MarlinDecodeConfig(8, 256, 1, 16, 256, 1)
 )
 def test_matches_reference(device, config, tokens, activation):
     # hidden 384: GEMM1's K steps end in a masked tail; the 256-row config's
-    # tiles are partial (GEMM1: 128 of 256 pairs, GEMM2: 384 = 256 + 128)
+    # tiles are partial (GEMM1: 256 pairs of 256, GEMM2: 384 = 256 + 128);
+    # inter 256: two scale groups along GEMM2's K
     out, ref, act, ids, _ = _run(
-        tokens, 384, 128, 5, 3, torch.float16, device, activation, config=config
+        tokens, 384, 256, 5, 3, torch.float16, device, activation, config=config
     )
     _close(out, ref, 2e-3)
     untouched = ~_local(ids, 5, None).flatten()
@@ -115,6 +123,34 @@ def test_expert_map_skips_remote_experts(device):
     local = _local(ids, 3, expert_map).flatten().to(act.device)
     assert bool(torch.isnan(act[~local]).all())
     assert not bool(torch.isnan(act[local]).any())
+
+
+def test_strided_inputs_and_scratch(device):
+    """x, topk_ids, topk_weights, act and down as row slices of wider
+    buffers: each is read and written through its own row stride."""
+    tokens, hidden, inter, experts, topk = 3, 256, 256, 4, 2
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.float16, device)
+    gen = torch.Generator().manual_seed(4)
+    wide = functools.partial(torch.zeros, device=device)
+    x = wide(tokens, hidden + 64, dtype=torch.float16)
+    x[:, :hidden] = torch.randn(tokens, hidden, generator=gen).half().to(device)
+    ids = wide(tokens, topk + 3, dtype=torch.int32)
+    ids[:, :topk] = _ids(tokens, topk, experts, gen).to(device)
+    tw = wide(tokens, topk + 1)
+    tw[:, :topk] = torch.rand(tokens, topk, generator=gen).to(device)
+    act = wide(tokens * topk, inter + 32, dtype=torch.float16)
+    down = wide(tokens * topk, hidden + 32, dtype=torch.float16)
+    out = torch.full((tokens, hidden), POISON, dtype=torch.float16, device=device)
+    ref = torch.empty_like(out)
+    args = (x[:, :hidden], ids[:, :topk], tw[:, :topk], w13, s13, w2, s2, None,
+            "silu", 128)  # fmt: skip
+    marlin_moe_decode(*args, act[:, :inter], down[:, :hidden], out, CPU_CONFIG)
+    marlin_moe_decode_reference(
+        x[:, :hidden].contiguous(), ids[:, :topk].contiguous(),
+        tw[:, :topk].contiguous(), *args[3:], act[:, :inter], down[:, :hidden], ref,
+    )  # fmt: skip
+    _close(out, ref, 2e-3)
+    assert bool((act[:, inter:] == 0).all()) and bool((down[:, hidden:] == 0).all())
 
 
 def test_token_without_local_routes_gets_zeros(device):
@@ -162,9 +198,12 @@ def test_bad_inputs_raise(device):
         call(w13, s13, w2, s2, None, "gelu", 128, act, down, out)
     with pytest.raises(ValueError, match="down"):
         call(w13, s13, w2, s2, None, "silu", 128, act, down[:1], out)
-    with pytest.raises(ValueError, match="config"):
-        call(w13, s13, w2, s2, None, "silu", 128, act, down, out,
-             MarlinDecodeConfig(4, 256, 2, 8, 256, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="group_size"):
+        call(w13, s13, w2, s2, None, "silu", 0, act, down, out)
+    for bad in ((4, 256, 2, 8, 256, 1), (0, 256, 1, 8, 256, 1), (4, 256, 1, 8, 256, 3)):
+        with pytest.raises(ValueError, match="config"):
+            call(w13, s13, w2, s2, None, "silu", 128, act, down, out,
+                 MarlinDecodeConfig(*bad))  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -182,14 +221,7 @@ def test_gpu_model_sizes(tokens):
 def test_gpu_cuda_graph_replay_with_new_routing():
     dev = torch.device("cuda")
     tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8
-    gen = torch.Generator().manual_seed(3)
-    w13, s13 = _pack(
-        torch.randn(experts, 2 * inter, hidden, generator=gen), torch.bfloat16
-    )
-    w2, s2 = _pack(
-        torch.randn(experts, hidden, inter, generator=gen) / 8, torch.bfloat16
-    )
-    w13, s13, w2, s2 = (t.to(dev) for t in (w13, s13, w2, s2))
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.bfloat16, dev, seed=3)
     x = torch.randn(tokens, hidden, device=dev).bfloat16()
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device=dev)
     tw = torch.rand(tokens, topk, device=dev)

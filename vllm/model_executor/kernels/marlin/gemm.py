@@ -25,9 +25,9 @@ from vllm.model_executor.kernels.marlin.config import (
     resident_programs,
 )
 from vllm.model_executor.kernels.marlin.gemv import (
-    GEMV_MAX_M,
     GemvConfig,
     default_gemv_config,
+    gemv_applies,
     launch_gemv,
 )
 from vllm.model_executor.kernels.marlin.kernels import (
@@ -141,7 +141,7 @@ def marlin_gemm(
     ``[K // group_size, N]`` (or ``[1, N]`` with ``group_size == -1``) in
     ``a``'s dtype; ``workspace``: int32 lock counters, all zero, at least
     :func:`marlin_workspace_numel` long. No host sync, no allocation except
-    ``out`` when not given. Up to ``GEMV_MAX_M`` rows (or with a
+    ``out`` when not given. Where :func:`gemv_applies` (or with a
     :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs, which
     leaves the workspace alone.
     """
@@ -158,9 +158,11 @@ def marlin_gemm(
     m = a.shape[0]
     if m == 0:
         return out
-    if isinstance(config, GemvConfig) or (config is None and m <= GEMV_MAX_M):
+    if isinstance(config, GemvConfig) or (
+        config is None and gemv_applies(m, size_n, size_k)
+    ):
         if not isinstance(config, GemvConfig):
-            config = default_gemv_config(m, size_n, size_k)
+            config = default_gemv_config()
         launch_gemv(a, b_packed, scales, out, group_size, config)
         return out
 

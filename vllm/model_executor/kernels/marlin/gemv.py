@@ -1,24 +1,23 @@
 """The Marlin-style W4A16 GEMM at decode sizes (a few rows of A), on the CUDA
-cores: launched by :func:`~.gemm.marlin_gemm` for ``M <= GEMV_MAX_M``.
+cores: launched by :func:`~.gemm.marlin_gemm` where :func:`gemv_applies`.
 
 At a few rows the GEMM only has to stream the packed weights once; the
 tensor-core kernel (:mod:`.kernels`) pads M to 16 and runs a serial global ->
 shared -> register -> dequantize -> layout-convert -> wgmma chain per K step,
-which keeps it at a third of the copy bandwidth (docs/marlin.md). Here each
-program streams ``BLOCK_N`` whole weight rows in 16-byte loads, the next
-K step's words in flight while the current ones are multiplied, and nothing
-goes through shared memory.
+which keeps it near a third of the copy bandwidth (docs/marlin.md). Here
+each program multiplies ``BLOCK_N`` whole weight rows, one packed word per
+lane and row (see :func:`dot_rows`), the next K step's words in flight
+while the current ones are multiplied; nothing goes through shared memory.
 
 Dequantization without shifts or int-to-float conversions: nibble ``i`` of a
 word, masked in place (``word & 0xF << 4i``) and ORed into the fp32 pattern of
-2^23, is exactly ``2^23 + q * 16^i``; subtracting ``2^23 + 8 * 16^i`` leaves
-``(q - 8) * 16^i``, exact, and the activation it multiplies was scaled by
-``16^-i`` once per program step (shared by all ``BLOCK_N`` rows). The upper
-four nibbles take one shift per word. So a weight costs a LOP3, an FSUB and
-one FMA per row of A. Products are summed per 128-column chunk in fp32 and
-then scaled by the chunk's group scale (no weight is rounded to 16 bits:
-closer to the exact product than the tensor-core kernel). No split-K: the
-lock workspace is not touched.
+2^(23 - 4i), reads as ``2^(23 - 4i) + q`` exactly (the mantissa's step at that
+exponent is 16^-i); subtracting ``2^(23 - 4i) + 8`` leaves ``q - 8``. The
+upper four nibbles take one shift per word. So a weight costs a LOP3, an
+FSUB and one FMA per row of A; each product is scaled by its word's group
+scale and summed in fp32 (no weight is rounded to 16 bits: closer to the
+exact product than the tensor-core kernel). No split-K: the lock workspace
+is not touched.
 """
 
 from dataclasses import dataclass
@@ -30,10 +29,18 @@ import triton.language as tl
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
-# Up to this many rows of A the CUDA-core kernel beats the tensor-core one
-# (benchmarks/RESULTS.md, `benchmark_marlin.py`): FMAs grow with the rows,
-# the dequantization does not.
+# Up to this many rows of A the kernel takes a GemvConfig (its accumulators);
+# gemv_applies says when it beats the tensor-core kernel.
 GEMV_MAX_M = 4
+
+
+def gemv_applies(m: int, n: int, k: int) -> bool:
+    """Whether ``marlin_gemm`` takes this kernel by default. Measured on the
+    H200 (benchmarks/RESULTS.md, ``tune_marlin_gemv.py``): it wins at one
+    row on every shape (6.4 vs 11.9 us on 4096 x 4096, 32.7 vs 43.8 on
+    28672 x 4096), and up to 4 rows only on weights up to 4096 x 4096
+    (FMAs grow with the rows, the tensor-core kernel's time does not)."""
+    return m == 1 or (m <= GEMV_MAX_M and n * k <= 4096 * 4096)
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,11 @@ class GemvConfig:
     num_warps: int
 
 
-def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """The measured best on the H200 (``benchmarks/tuning/tune_marlin.py
-    --gemv``)."""
-    return GemvConfig(block_n=16, block_k=1024, num_warps=4)
+def default_gemv_config() -> GemvConfig:
+    """Within 6% of the best of 27 configs at every point of the sweep
+    (four shapes, 1-4 rows; ``tune_marlin_gemv.py``), and the best at 2-4
+    rows, where wider tiles spill registers (16 rows: 4-6x slower)."""
+    return GemvConfig(block_n=8, block_k=1024, num_warps=2)
 
 
 @triton.jit
@@ -261,6 +269,8 @@ def launch_gemv(
         )
     if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"config: block_n must be a power of two: {cfg}")
+    if cfg.num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"config: num_warps must be 1, 2, 4 or 8: {cfg}")
     launch_pdl = pdl(a.device)
     _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a,
