@@ -53,6 +53,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import (
     GROUP_SIZE,
+    MARLIN_DECODE_MAX_TOKENS,
     MarlinExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
@@ -185,7 +186,11 @@ def bench(
         launches["sorted"],
     )  # fmt: skip
     if isinstance(experts, MarlinExperts):
-        sweep = sweep_marlin_tiles(experts, hidden[0], ids) if args.sweep else {}
+        sweep = (
+            sweep_marlin_tiles(experts, hidden[0], ids)
+            if args.sweep and tokens <= MARLIN_DECODE_MAX_TOKENS
+            else {}
+        )
         return row, sweep, str(default_marlin_decode_config(tokens))
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
