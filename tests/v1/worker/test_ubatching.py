@@ -4,6 +4,7 @@ import time
 import pytest
 
 from vllm.v1.worker.ubatching import (
+    balanced_split,
     collective_turn,
     dbo_current_ubatch_id,
     run_ubatches,
@@ -70,3 +71,13 @@ def test_collectives_alternate_between_ubatches_whatever_their_speed():
     assert issued == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
     with collective_turn():  # outside run_ubatches: no turns
         pass
+
+
+def test_balanced_split_cuts_nearest_half_the_tokens():
+    assert balanced_split([]) == 0
+    assert balanced_split([7]) == 1  # the second micro-batch runs empty
+    assert balanced_split([1, 1]) == 1
+    assert balanced_split([100, 1, 1]) == 1  # never an empty side with two
+    assert balanced_split([1, 1, 100]) == 2
+    assert balanced_split([3, 3, 3, 3]) == 2
+    assert balanced_split([5, 1, 1, 1, 1, 1]) == 1

@@ -54,7 +54,6 @@ at once so that the peak it measures holds both.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -79,7 +78,7 @@ from vllm.v1.cudagraph_dispatcher import (
     mixed_capture_sizes,
     plan_step,
 )
-from vllm.v1.worker.ubatching import run_ubatches
+from vllm.v1.worker.ubatching import balanced_split, run_ubatches_on_streams
 
 logger = init_logger(__name__)
 
@@ -389,11 +388,8 @@ class GPUModelRunner:
         """The step (its inputs filled) as two micro-batches of about equal
         tokens: the logits of both, in order."""
         lens = [c.end - c.start for c in chunks]
-        ends_at = list(itertools.accumulate(lens))  # tokens up to each chunk
-        total, split = ends_at[-1], len(chunks)
-        if len(chunks) > 1:  # the cut nearest half the tokens
-            split = 1 + min(range(split - 1), key=lambda k: abs(2 * ends_at[k] - total))
-        prefix = ends_at[split - 1]
+        split = balanced_split(lens)
+        prefix, total = sum(lens[:split]), sum(lens)
 
         def forward(s0: int, s1: int, t0: int, t1: int) -> torch.Tensor | None:
             if s0 == s1:  # no request: this ubatch's share of the collectives
@@ -416,30 +412,9 @@ class GPUModelRunner:
         logits = self._run_ubatches([partial(forward, *part) for part in parts])
         return torch.cat([part for part in logits if part is not None])
 
-    def _as_ubatch(self, ubatch: int, fn: Callable[[], T]) -> Callable[[], T]:
-        """``fn`` as micro-batch ``ubatch`` runs it: in inference mode (a
-        thread's own setting) on its stream, after the work the calling
-        stream holds so far (the step's inputs)."""
-        stream, caller = self.ubatch_streams[ubatch], self.stream
-
-        def call() -> T:
-            if stream is None or caller is None:
-                with torch.inference_mode():
-                    return fn()
-            stream.wait_stream(caller)
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                return fn()
-
-        return call
-
     def _run_ubatches(self, fns: list[Callable[[], T]]) -> list[T]:
-        """``fns[i]`` as micro-batch i, concurrently; the calling stream
-        then waits for theirs."""
-        results = run_ubatches([self._as_ubatch(i, fn) for i, fn in enumerate(fns)])
-        for stream in self.ubatch_streams:
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-        return results
+        """``fns[i]`` as micro-batch i on its stream, concurrently."""
+        return run_ubatches_on_streams(fns, self.ubatch_streams, self.stream)
 
     def _fill_inputs(self, chunks: list[ScheduledChunk], pool: BlockPool) -> int:
         """Write the step into the persistent buffers; returns its tokens.

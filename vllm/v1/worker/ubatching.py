@@ -13,10 +13,14 @@ that the other holds up). Compute between collectives runs freely.
 """
 
 import contextvars
+import functools
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -126,3 +130,43 @@ def run_ubatches(fns: Sequence[Callable[[], T]]) -> list[T]:
         if e is not None:
             raise e
     return results  # type: ignore[return-value]
+
+
+def run_ubatches_on_streams(
+    fns: Sequence[Callable[[], T]],
+    streams: Sequence[torch.cuda.Stream | None],
+    caller: torch.cuda.Stream | None,
+) -> list[T]:
+    """:func:`run_ubatches` with ``fns[i]`` in inference mode (a thread's own
+    setting) on ``streams[i]``, after the work ``caller`` holds so far (the
+    step's inputs); the current stream then waits for theirs. ``None``
+    streams (CPU) run on no stream."""
+
+    def on_stream(fn: Callable[[], T], stream: torch.cuda.Stream | None) -> T:
+        if stream is None or caller is None:
+            with torch.inference_mode():
+                return fn()
+        stream.wait_stream(caller)
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            return fn()
+
+    results = run_ubatches(
+        [
+            functools.partial(on_stream, fn, s)
+            for fn, s in zip(fns, streams, strict=True)
+        ]
+    )
+    for stream in streams:
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+    return results
+
+
+def balanced_split(tokens: Sequence[int]) -> int:
+    """How many of the requests (``tokens`` each, in order) go to the first
+    of two micro-batches: the cut nearest half the tokens, at least one
+    request on each side where there are two."""
+    if len(tokens) < 2:
+        return len(tokens)
+    ends = list(itertools.accumulate(tokens))
+    return 1 + min(range(len(tokens) - 1), key=lambda k: abs(2 * ends[k] - ends[-1]))
