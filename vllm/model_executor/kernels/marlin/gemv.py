@@ -60,6 +60,22 @@ def default_gemv_config() -> GemvConfig:
     return GemvConfig(block_n=8, block_k=1024, num_warps=2)
 
 
+def check_tile(block_n: int, block_k: int, num_warps: int, config: object) -> None:
+    """Errors naming ``config`` unless :func:`dot_rows` takes the tile."""
+    if block_k % TILE_K or block_k & (block_k - 1):
+        raise ValueError(
+            f"config: block_k must be a power of two multiple of {TILE_K}: {config}"
+        )
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"config: num_warps must be 1, 2, 4 or 8: {config}")
+    if block_k // 8 < 32 * num_warps:
+        raise ValueError(
+            f"config: block_k / 8 words must cover the 32 x num_warps lanes: {config}"
+        )
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"config: block_n must be a power of two: {config}")
+
+
 @triton.jit
 def _nibble(words, i: tl.constexpr):
     """fp32 ``q - 8`` of nibble ``i`` of each word: masked in place and ORed
@@ -259,18 +275,7 @@ def launch_gemv(
     n = out.shape[1]
     if m > GEMV_MAX_M:
         raise ValueError(f"a: at most {GEMV_MAX_M} rows for a GemvConfig, got {m}")
-    if cfg.block_k % TILE_K or cfg.block_k & (cfg.block_k - 1):
-        raise ValueError(
-            f"config: block_k must be a power of two multiple of {TILE_K}: {cfg}"
-        )
-    if cfg.block_k // 8 < 32 * cfg.num_warps:
-        raise ValueError(
-            f"config: block_k / 8 words must cover the 32 x num_warps lanes: {cfg}"
-        )
-    if cfg.block_n < 1 or cfg.block_n & (cfg.block_n - 1):
-        raise ValueError(f"config: block_n must be a power of two: {cfg}")
-    if cfg.num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"config: num_warps must be 1, 2, 4 or 8: {cfg}")
+    check_tile(cfg.block_n, cfg.block_k, cfg.num_warps, cfg)
     launch_pdl = pdl(a.device)
     _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a,

@@ -41,7 +41,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.marlin.gemv import dot_rows
+from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
 
@@ -243,22 +243,8 @@ def _check(
 
 
 def _check_config(config: MarlinDecodeConfig) -> None:
-    for block_n, block_k, warps in (
-        (config.gated_block_n, config.gated_block_k, config.gated_warps),
-        (config.down_block_n, config.down_block_k, config.down_warps),
-    ):
-        if (
-            block_n < 1
-            or block_n & (block_n - 1)
-            or warps not in (1, 2, 4, 8)
-            or block_k % 128
-            or block_k & (block_k - 1)
-            or block_k // 8 < 32 * warps
-        ):
-            raise arg_error(
-                "config", f"power-of-two block sizes, 1-8 warps, block_k a multiple "
-                f"of 128 covering 32 x warps words, got {config}",
-            )  # fmt: skip
+    check_tile(config.gated_block_n, config.gated_block_k, config.gated_warps, config)
+    check_tile(config.down_block_n, config.down_block_k, config.down_warps, config)
 
 
 def marlin_moe_decode(
