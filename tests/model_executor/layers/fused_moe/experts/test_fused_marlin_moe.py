@@ -271,5 +271,6 @@ def test_gpu_cuda_graph_replay_with_new_routing(workspace_init, tokens: int):
             expected = run()
         stream.synchronize()
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    with torch.cuda.stream(stream):
-        assert int(get_marlin_workspace("cuda").abs().sum()) == 0
+    if tokens > experts.decode_max_tokens:  # the decode kernels take no locks
+        with torch.cuda.stream(stream):
+            assert int(get_marlin_workspace("cuda").abs().sum()) == 0
