@@ -62,9 +62,17 @@ def _workspace(device):
     return torch.zeros(marlin_workspace_numel(device), dtype=torch.int32, device=device)
 
 
-# (N, K, group): N not a multiple of block_n, K not a multiple of block_k
-# (the tail step masked), groups of 128 / 256 / per channel.
-SHAPES = [(40, 384, 128), (64, 512, 256), (24, 256, -1), (8, 128, 128)]
+# (N, K, group): N not a multiple of block_n, K a multiple of block_k or not
+# (the tail step masked), groups of 128 / 256 / 384 (not a power of two,
+# spanning K steps) / per channel.
+SHAPES = [
+    (40, 384, 128),
+    (24, 1024, 128),
+    (64, 512, 256),
+    (16, 768, 384),
+    (24, 256, -1),
+    (8, 128, 128),
+]
 CONFIGS = [GemvConfig(8, 256, 1), GemvConfig(16, 512, 2)]
 
 

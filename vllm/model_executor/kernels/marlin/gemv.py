@@ -13,11 +13,14 @@ Dequantization without shifts or int-to-float conversions: nibble ``i`` of a
 word, masked in place (``word & 0xF << 4i``) and ORed into the fp32 pattern of
 2^(23 - 4i), reads as ``2^(23 - 4i) + q`` exactly (the mantissa's step at that
 exponent is 16^-i); subtracting ``2^(23 - 4i) + 8`` leaves ``q - 8``. The
-upper four nibbles take one shift per word. So a weight costs a LOP3, an
-FSUB and one FMA per row of A; each product is scaled by its word's group
+upper four nibbles take one shift per word. So a weight costs a LOP3 (inline
+PTX: written in Triton, ptxas splits the mask-and-or in two), an FSUB and
+one FMA per row of A; each product is scaled by its word's group
 scale and summed in fp32 (no weight is rounded to 16 bits: closer to the
-exact product than the tensor-core kernel). No split-K: the lock workspace
-is not touched.
+exact product than the tensor-core kernel). Where the K step divides K the
+loop has no bounds checks: rows past N or M repeat the last row instead of
+being masked (SASS for sm_90, one row: 765 -> 576 instructions per step).
+No split-K: the lock workspace is not touched.
 """
 
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm import envs
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
@@ -77,20 +81,28 @@ def check_tile(block_n: int, block_k: int, num_warps: int, config: object) -> No
 
 
 @triton.jit
-def _nibble(words, i: tl.constexpr):
+def _nibble(words, i: tl.constexpr, ASM: tl.constexpr):
     """fp32 ``q - 8`` of nibble ``i`` of each word: masked in place and ORed
     into the fp32 pattern of 2^(23 - 4i), it reads as 2^(23 - 4i) + q."""
-    pattern = ((words & (15 << (4 * i))) | ((150 - 4 * i) << 23)).to(
-        tl.float32, bitcast=True
-    )
-    return pattern - ((1 << (23 - 4 * i)) + 8)
+    mask = tl.full(words.shape, 15 << (4 * i), tl.int32)
+    exponent = tl.full(words.shape, (150 - 4 * i) << 23, tl.int32)
+    if ASM:
+        # One LOP3 (a & b) | c: written in Triton, ptxas splits it in two
+        # (both constants do not fit one instruction as immediates).
+        pattern = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [words, mask, exponent],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        pattern = (words & mask) | exponent
+    return pattern.to(tl.float32, bitcast=True) - ((1 << (23 - 4 * i)) + 8)
 
 
 @triton.jit
 def _row_terms(
-    x_ptr,  # one row of A at this K step
-    k_left,  # columns of the row from here on
-    offs_w,
+    x_ptrs,  # [WORDS, 8] one row of A at this K step
+    k_left,  # its columns from here on
+    EVEN_K: tl.constexpr,
     w0,
     w1,
     w2,
@@ -101,13 +113,13 @@ def _row_terms(
     w7,  # [BLOCK_N, WORDS] q - 8 of nibbles 0..7
 ):
     """fp32 [BLOCK_N, WORDS]: each word's 8 weights times the row's columns."""
-    x = tl.load(
-        x_ptr + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :],
-        mask=(offs_w * 8 < k_left)[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    if EVEN_K:
+        x = tl.load(x_ptrs).to(tl.float32)
+    else:
+        offs = tl.arange(0, x_ptrs.shape[0])[:, None] * 8 + tl.arange(0, 8)[None, :]
+        x = tl.load(x_ptrs, mask=offs < k_left, other=0.0).to(tl.float32)
     # Column j = 4a + 2b + e of a word sits in nibble (2a + b) + 4e.
-    x_even, x_odd = tl.split(tl.reshape(x, (offs_w.shape[0], 2, 2, 2)))
+    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2, 2)))
     x_e0, x_e1 = tl.split(x_even)
     x_o0, x_o1 = tl.split(x_odd)
     x0, x2 = tl.split(x_e0)
@@ -121,23 +133,38 @@ def _row_terms(
 
 
 @triton.jit
+def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed words of K step ``k``: from a step past the last the last
+    step's again where ``EVEN_K`` (in bounds, unused), else 0x88888888 past
+    K (every nibble 8: weight 0)."""
+    if EVEN_K:
+        return tl.load(w_ptrs + tl.minimum(k, K - BLOCK_K) // 8)
+    return tl.load(
+        w_ptrs + k // 8, mask=(offs_w + k // 8 < K // 8)[None, :], other=-2004318072
+    )
+
+
+@triton.jit
 def dot_rows(
     w_rows,  # [BLOCK_N] pointers to each weight row's first packed word
     s_rows,  # [BLOCK_N] pointers to each row's scale of group 0 (or channel)
-    row_ok,  # [BLOCK_N]
     x_ptr,  # row 0 of A
     stride_xm,
-    M,  # rows of A (<= BLOCK_M)
+    M,  # rows of A (1 to BLOCK_M)
     K,
     s_group_stride,  # elements from one group's scales to the next
     GROUP_SIZE: tl.constexpr,  # -1: per-channel scales
     BLOCK_M: tl.constexpr,  # <= 4
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no bounds checks in the loop
+    ASM: tl.constexpr,  # inline PTX allowed (:func:`inline_ptx`)
     PDL: tl.constexpr,
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
-    the (up to 4) rows of A; rows past M give zeros.
+    the (up to 4) rows of A. Every row pointer must be in bounds: callers
+    clamp rows past N to the last one and do not store their sums; rows of
+    A past M repeat row M - 1 the same way.
 
     Callers compute ``w_rows`` / ``s_rows`` from unspecialized strides, so
     that Triton cannot prove the rows 16-byte aligned: the weights are then
@@ -153,69 +180,66 @@ def dot_rows(
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
     w_ptrs = w_rows[:, None] + offs_w[None, :]
+    offs_x = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
+    x0_ptrs = x_ptr + offs_x
+    x1_ptrs = x0_ptrs + tl.minimum(1, M - 1) * stride_xm
+    x2_ptrs = x0_ptrs + tl.minimum(2, M - 1) * stride_xm
+    x3_ptrs = x0_ptrs + tl.minimum(3, M - 1) * stride_xm
+    if GROUP_SIZE > 0:
+        # Group scales per word, not per group: a group spans lanes, and
+        # summing it across them every step costs more shuffles than these
+        # loads (lanes of one group read one address). Loaded as [WORDS,
+        # BLOCK_N] and transposed: Triton then lays the words over the lanes
+        # as in the weights (no shared-memory conversion).
+        group = (offs_w * 8) // GROUP_SIZE
+        s_ptrs = s_rows[None, :] + group[:, None] * s_group_stride
     acc0 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    # Words past K or the rows read as 0x88888888: every nibble 8, weight 0.
-    packed = tl.load(
-        w_ptrs, mask=row_ok[:, None] & (offs_w < K // 8)[None, :], other=-2004318072
-    )
+    packed = _load_words(w_ptrs, offs_w, 0, K, BLOCK_K, EVEN_K)
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
-        next_ok = (offs_w + (k + BLOCK_K) // 8 < K // 8)[None, :]
-        packed_next = tl.load(
-            w_ptrs + (k + BLOCK_K) // 8,
-            mask=row_ok[:, None] & next_ok,
-            other=-2004318072,
-        )
+        packed_next = _load_words(w_ptrs, offs_w, k + BLOCK_K, K, BLOCK_K, EVEN_K)
         upper = packed >> 16
-        w0 = _nibble(packed, 0)
-        w1 = _nibble(packed, 1)
-        w2 = _nibble(packed, 2)
-        w3 = _nibble(packed, 3)
-        w4 = _nibble(upper, 0)
-        w5 = _nibble(upper, 1)
-        w6 = _nibble(upper, 2)
-        w7 = _nibble(upper, 3)
+        w0 = _nibble(packed, 0, ASM)
+        w1 = _nibble(packed, 1, ASM)
+        w2 = _nibble(packed, 2, ASM)
+        w3 = _nibble(packed, 3, ASM)
+        w4 = _nibble(upper, 0, ASM)
+        w5 = _nibble(upper, 1, ASM)
+        w6 = _nibble(upper, 2, ASM)
+        w7 = _nibble(upper, 3, ASM)
         if GROUP_SIZE > 0:
-            # Per word, not per group: a group spans lanes, and summing it
-            # across them every step costs more shuffles than these loads
-            # (lanes of one group read one address). Loaded as [WORDS,
-            # BLOCK_N] and transposed: Triton then lays the words over the
-            # lanes as in the weights (no shared-memory conversion).
-            group = (k + offs_w * 8) // GROUP_SIZE
-            scale = (
-                tl.load(
-                    s_rows[None, :] + group[:, None] * s_group_stride,
-                    mask=row_ok[None, :] & (k + offs_w * 8 < K)[:, None],
-                    other=0.0,
-                )
-                .to(tl.float32)
-                .T
-            )
+            if BLOCK_K % GROUP_SIZE == 0:  # k starts a group: lane offsets fixed
+                s_step = s_ptrs + (k // GROUP_SIZE) * s_group_stride
+            else:
+                group = (k + offs_w * 8) // GROUP_SIZE
+                s_step = s_rows[None, :] + group[:, None] * s_group_stride
+            if EVEN_K:
+                scale = tl.load(s_step).to(tl.float32).T
+            else:
+                s_ok = (offs_w * 8 < K - k)[:, None]
+                scale = tl.load(s_step, mask=s_ok, other=0.0).to(tl.float32).T
         else:
             scale = tl.full((BLOCK_N, WORDS), 1.0, tl.float32)
-        x_k = x_ptr + k
-        # Rows past M read zeros (their columns left are 0).
-        acc0 += scale * _row_terms(x_k, K - k, offs_w, w0, w1, w2, w3, w4, w5, w6, w7)
+        acc0 += scale * _row_terms(
+            x0_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+        )
         if BLOCK_M > 1:
             acc1 += scale * _row_terms(
-                x_k + stride_xm, tl.where(M > 1, K - k, 0), offs_w,
-                w0, w1, w2, w3, w4, w5, w6, w7,
-            )  # fmt: skip
+                x1_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+            )
         if BLOCK_M > 2:
             acc2 += scale * _row_terms(
-                x_k + 2 * stride_xm, tl.where(M > 2, K - k, 0), offs_w,
-                w0, w1, w2, w3, w4, w5, w6, w7,
-            )  # fmt: skip
+                x2_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+            )
             acc3 += scale * _row_terms(
-                x_k + 3 * stride_xm, tl.where(M > 3, K - k, 0), offs_w,
-                w0, w1, w2, w3, w4, w5, w6, w7,
-            )  # fmt: skip
+                x3_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+            )
         packed = packed_next
     if GROUP_SIZE < 0:
-        channel = tl.load(s_rows, mask=row_ok, other=0.0).to(tl.float32)
+        channel = tl.load(s_rows).to(tl.float32)
     else:
         channel = tl.full((BLOCK_N,), 1.0, tl.float32)
     return (
@@ -243,13 +267,17 @@ def _marlin_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    rows = tl.minimum(offs_n, N - 1)  # rows past N repeat the last (not stored)
     out0, out1, out2, out3 = dot_rows(
-        b_ptr + offs_n.to(tl.int64) * stride_bn, s_ptr + offs_n * stride_sn, mask_n,
-        a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+        b_ptr + rows.to(tl.int64) * stride_bn, s_ptr + rows * stride_sn,
+        a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+        ASM, PDL,
     )  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + offs_n
@@ -260,6 +288,14 @@ def _marlin_gemv_kernel(
     if BLOCK_M > 2:
         tl.store(c_ptrs + 2 * stride_cm, out2.to(dtype), mask=mask_n & (row + 2 < M))
         tl.store(c_ptrs + 3 * stride_cm, out3.to(dtype), mask=mask_n & (row + 3 < M))
+
+
+def inline_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use inline PTX (compiled for an
+    NVIDIA GPU, not the Triton interpreter)."""
+    return (
+        device.type == "cuda" and not torch.version.hip and not envs.triton_interpret()
+    )
 
 
 def launch_gemv(
@@ -293,6 +329,8 @@ def launch_gemv(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0,
+        ASM=inline_ptx(a.device),
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
         launch_pdl=launch_pdl,

@@ -41,7 +41,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows
+from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
 
@@ -73,6 +73,8 @@ def _gated_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # the routing is the previous kernel's
@@ -84,14 +86,15 @@ def _gated_kernel(
     )  # fmt: skip
     if expert < num_local:
         pair = tl.arange(0, 2 * BLOCK_N)
-        cols = tl.program_id(1) * BLOCK_N + pair % BLOCK_N
+        # Columns past I repeat the last (not stored).
+        cols = tl.minimum(tl.program_id(1) * BLOCK_N + pair % BLOCK_N, inter - 1)
         rows = tl.where(pair < BLOCK_N, cols, inter + cols)  # gate rows, up rows
         expert_64 = expert.to(tl.int64)
         product, _, _, _ = dot_rows(
             w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
-            s_ptr + expert_64 * stride_se + rows * stride_sn, cols < inter,
+            s_ptr + expert_64 * stride_se + rows * stride_sn,
             x_ptr + token * stride_x, 0, 1, K, 2 * inter,
-            GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K, False,
+            GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K, EVEN_K, ASM, False,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(product, (2, BLOCK_N)).T)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
@@ -129,6 +132,8 @@ def _down_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # The routing is two launches back (readable before the wait, see pdl);
@@ -144,11 +149,12 @@ def _down_kernel(
     product = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if expert < num_local:
         expert_64 = expert.to(tl.int64)
+        w_rows = tl.minimum(rows, hidden - 1)  # rows past H repeat the last
         product, _, _, _ = dot_rows(
-            w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
-            s_ptr + expert_64 * stride_se + rows * stride_sn, row_ok,
+            w_ptr + expert_64 * stride_we + w_rows.to(tl.int64) * stride_wn,
+            s_ptr + expert_64 * stride_se + w_rows * stride_sn,
             act_ptr + route * stride_act, 0, 1, inter, hidden,
-            GROUP_SIZE, 1, BLOCK_N, BLOCK_K, PDL,
+            GROUP_SIZE, 1, BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL,
         )  # fmt: skip
         weight_slot = token * stride_weights + route % topk
         product *= tl.load(topk_weights_ptr + weight_slot)
@@ -279,14 +285,15 @@ def marlin_moe_decode(
     num_ids = experts if expert_map is None else expert_map.numel()
     map_arg = expert_map if expert_map is not None else topk_ids
     routes = tokens * topk
-    launch_pdl = pdl(x.device)
+    launch_pdl, asm = pdl(x.device), inline_ptx(x.device)
     _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
         experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
         w13.stride(1), w13_scales.stride(0), w13_scales.stride(2),
         HAS_MAP=expert_map is not None, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, BLOCK_N=config.gated_block_n,
-        BLOCK_K=config.gated_block_k, PDL=launch_pdl, num_warps=config.gated_warps,
+        BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
+        ASM=asm, PDL=launch_pdl, num_warps=config.gated_warps,
         launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_kernel[(routes, triton.cdiv(hidden, config.down_block_n))](
@@ -295,7 +302,8 @@ def marlin_moe_decode(
         topk_weights.stride(0), down.stride(0), w2.stride(0), w2.stride(1),
         w2_scales.stride(0), w2_scales.stride(2), HAS_MAP=expert_map is not None,
         GROUP_SIZE=group_size, BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, PDL=launch_pdl, num_warps=config.down_warps,
+        BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
+        ASM=asm, PDL=launch_pdl, num_warps=config.down_warps,
         launch_pdl=launch_pdl,
     )  # fmt: skip
     torch.sum(down[:routes].view(tokens, topk, hidden), dim=1, out=out)
