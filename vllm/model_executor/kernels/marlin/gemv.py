@@ -19,7 +19,8 @@ one FMA per row of A; each product is scaled by its word's group
 scale and summed in fp32 (no weight is rounded to 16 bits: closer to the
 exact product than the tensor-core kernel). Where the K step divides K the
 loop has no bounds checks: rows past N or M repeat the last row instead of
-being masked (SASS for sm_90, one row: 765 -> 576 instructions per step).
+being masked (SASS for sm_90, one row, (8, 1024, 2): 765 -> 534 instructions per
+step of 128 weights a thread).
 No split-K: the lock workspace is not touched.
 """
 
