@@ -95,23 +95,22 @@ def test_matches_exact_product(device, shape, m, dtype, config):
     assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
 
 
-def test_gemv_applies_by_rows_and_size():
-    assert gemv_applies(1, 28672, 4096) and not gemv_applies(2, 8192, 8192)
-    assert gemv_applies(GEMV_MAX_M, 4096, 4096)
-    assert not gemv_applies(GEMV_MAX_M + 1, 64, 64)
+def test_gemv_applies_by_rows():
+    assert gemv_applies(1) and gemv_applies(2)
+    assert not gemv_applies(3) and not gemv_applies(GEMV_MAX_M + 1)
 
 
 def test_default_dispatch_by_rows(device):
-    """Up to GEMV_MAX_M rows of a small weight the default path is this
-    kernel; one row more takes the tensor-core kernel, and both match."""
-    n, k = 48, 256
-    for m in (1, GEMV_MAX_M, GEMV_MAX_M + 1):
+    """Up to 2 rows the default path is this kernel (its default config),
+    from 3 the tensor-core kernel, and both match."""
+    n, k = 48, 2048
+    for m in (1, 2, 3):
         a, packed, scales, exact, bound = _problem(m, n, k, 128, torch.float16, device)
         out = marlin_gemm(
             a, packed, scales, _workspace(device), group_size=128, size_n=n, size_k=k
         )
         # The tensor-core kernel rounds weights to fp16 first: a looser bound.
-        _check(out, exact, bound if m <= GEMV_MAX_M else 4 * bound + 1e-2)
+        _check(out, exact, bound if gemv_applies(m) else 4 * bound + 1e-2)
 
 
 def test_rows_of_a_and_out_with_a_stride(device):
@@ -163,7 +162,7 @@ def test_gpu_model_sizes(shape, m, group_size):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out, config=default_gemv_config(),
+        size_k=k, out=out, config=default_gemv_config(m),
     )  # fmt: skip
     _check(out, exact, bound)
 
@@ -177,7 +176,7 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     gemm = functools.partial(
         marlin_gemm, b_packed=packed, scales=scales, workspace=locks,
-        group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(),
+        group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(m),
     )  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

@@ -158,11 +158,9 @@ def marlin_gemm(
     m = a.shape[0]
     if m == 0:
         return out
-    if isinstance(config, GemvConfig) or (
-        config is None and gemv_applies(m, size_n, size_k)
-    ):
+    if isinstance(config, GemvConfig) or (config is None and gemv_applies(m)):
         if not isinstance(config, GemvConfig):
-            config = default_gemv_config()
+            config = default_gemv_config(m)
         launch_gemv(a, b_packed, scales, out, group_size, config)
         return out
 

@@ -39,13 +39,14 @@ from vllm.model_executor.kernels.marlin.config import TILE_K
 GEMV_MAX_M = 4
 
 
-def gemv_applies(m: int, n: int, k: int) -> bool:
+def gemv_applies(m: int) -> bool:
     """Whether ``marlin_gemm`` takes this kernel by default. Measured on the
-    H200 (benchmarks/RESULTS.md, ``tune_marlin_gemv.py``): it wins at one
-    row on every shape (6.4 vs 11.9 us on 4096 x 4096, 32.7 vs 43.8 on
-    28672 x 4096), and up to 4 rows only on weights up to 4096 x 4096
-    (FMAs grow with the rows, the tensor-core kernel's time does not)."""
-    return m == 1 or (m <= GEMV_MAX_M and n * k <= 4096 * 4096)
+    H200 (benchmarks/RESULTS.md, ``tune_marlin_gemv.py``): at 1 and 2 rows
+    it wins on every shape (2 rows: 6.5 against 11.9 us on 4096 x 4096,
+    21.1 against 23.9 on 8192 x 8192); at 4 its FMAs (4 per weight) and
+    registers (spills with 8 rows of 1024) make it slower than the
+    tensor-core kernel, whose time does not grow with the rows."""
+    return m <= 2
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,12 @@ class GemvConfig:
     num_warps: int
 
 
-def default_gemv_config() -> GemvConfig:
-    """Within 6% of the best of 27 configs at every point of the sweep
-    (four shapes, 1-4 rows; ``tune_marlin_gemv.py``), and the best at 2-4
-    rows, where wider tiles spill registers (16 rows: 4-6x slower)."""
-    return GemvConfig(block_n=8, block_k=1024, num_warps=2)
+def default_gemv_config(m: int) -> GemvConfig:
+    """Within 7% (one row) and 9% (two rows) of the best of 18 configs on
+    each of the four shapes of ``tune_marlin_gemv.py`` (H200): one row
+    streams longer K steps (more bytes in flight per register), two rows
+    need the registers for a second set of products."""
+    return GemvConfig(4, 2048, 2) if m == 1 else GemvConfig(8, 1024, 4)
 
 
 def check_tile(block_n: int, block_k: int, num_warps: int, config: object) -> None:
