@@ -11,7 +11,8 @@ launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
 (``skinny_gemm`` + ``topk_softmax``), and on the sorted path; the bound
 (the router's and the distinct routed experts' weights read once at the
 copy bandwidth measured in the same run), the ratios to it, and the kernel
-launches per call (profiled). With ``--sweep`` it also times the decode
+launches per call and the decode path's kernels with their device times
+(profiled eagerly, without PDL). With ``--sweep`` it also times the decode
 kernels alone over a grid of tiles and prints the fastest per token count
 up to 8.
 
@@ -92,7 +93,7 @@ class Row:
     decode_no_pdl_us: float
     split_router_us: float | None  # 1 token, where router_topk applies
     sorted_us: float
-    decode_launches: int
+    decode_kernels: list[tuple[str, float]]  # eager, without PDL: name, us
     sorted_launches: int
 
     @property
@@ -119,13 +120,19 @@ def pdl_disabled(disabled: bool) -> Iterator[None]:
             os.environ["VLLM_DISABLE_PDL"] = before
 
 
-def count_launches(step: Callable[[int], None]) -> int:
+def profile_kernels(step: Callable[[int], None]) -> list[tuple[str, float]]:
+    """The kernels of one eager call: names and device times (us)."""
     from torch.profiler import ProfilerActivity, profile
 
+    step(0)  # compiled and warm
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(0)
+        step(1)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return [
+        (e.name, e.device_time_total)
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    ]
 
 
 def bench(
@@ -169,7 +176,7 @@ def bench(
     if router_topk_applies(tokens, e, torch.bfloat16):
         steps["split_router"] = split_router
     times = time_graphs_us(steps, ITERS)
-    launches = {name: count_launches(steps[name]) for name in ("decode", "sorted")}
+    kernels = {n: profile_kernels(steps[n]) for n in ("decode_no_pdl", "sorted")}
     ids = [gated_topk(hidden[it], gate, args.topk, True)[1] for it in range(ITERS)]
     distinct = sum(len(x.unique()) for x in ids) / ITERS
     # weights and their fp32 scales: per channel (fp8), per group of 128 (w4a8)
@@ -182,8 +189,8 @@ def bench(
     bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["decode_no_pdl"],
-        times.get("split_router"), times["sorted"], launches["decode"],
-        launches["sorted"],
+        times.get("split_router"), times["sorted"], kernels["decode_no_pdl"],
+        len(kernels["sorted"]),
     )  # fmt: skip
     if isinstance(experts, MarlinExperts):
         sweep = (
@@ -301,8 +308,12 @@ def main() -> None:
             f"{r.decode_no_pdl_us:>10.1f} "
             f"{'-' if r.split_router_us is None else f'{r.split_router_us:.1f}':>15} "
             f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
-            f"{r.decode_launches:>4}/{r.sorted_launches:<4}"
+            f"{len(r.decode_kernels):>4}/{r.sorted_launches:<4}"
         )
+    print("decode path kernels (eager, without PDL; device us):")
+    for r in rows:
+        kernels = "; ".join(f"{name[:40]} {us:.1f}" for name, us in r.decode_kernels)
+        print(f"  {r.weights} @ {r.tokens}: {kernels}")
     for key, best in sweeps.items():
         print(f"fastest tiles, {key}: " + "; ".join(f"{c} {t:.1f} us" for c, t in best))
     write_results(args.output_json, name, rows, bandwidth_gbps=bandwidth, sweeps=sweeps)
