@@ -198,7 +198,7 @@ def bench(
             if args.sweep and tokens <= MARLIN_DECODE_MAX_TOKENS
             else {}
         )
-        return row, sweep, str(default_marlin_decode_config(tokens))
+        return row, sweep, str(default_marlin_decode_config())
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
@@ -211,12 +211,11 @@ def sweep_marlin_tiles(
     rows, dtype = ids[0].numel(), hidden.dtype
     weights = torch.rand(ids[0].shape, device=hidden.device)
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
-    down = torch.empty(rows, moe.hidden_size, device=hidden.device, dtype=dtype)
     out = torch.empty_like(hidden)
     steps = {}
     for gated, down_tile in itertools.product(
         ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8)),
-        ((8, 256, 1), (16, 256, 1), (32, 256, 1), (16, 512, 2), (8, 1024, 4)),
+        ((1, 256, 1), (2, 256, 1), (4, 256, 1), (2, 512, 2), (4, 256, 2)),
     ):
         config = MarlinDecodeConfig(*gated, *down_tile)
 
@@ -224,7 +223,7 @@ def sweep_marlin_tiles(
             marlin_moe_decode(
                 hidden, ids[it], weights, experts.w13_packed, experts.w13_scales,
                 experts.w2_packed, experts.w2_scales, None, moe.activation,
-                GROUP_SIZE, act, down, out, config,
+                GROUP_SIZE, act, out, config,
             )  # fmt: skip
 
         steps[str(config)] = step

@@ -66,13 +66,11 @@ def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
     weights = (w13, s13, w2, s2)
     emap = None if expert_map is None else expert_map.to(device)
     act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
-    down = torch.full((tokens * topk, hidden), POISON, dtype=dtype, device=device)
     out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
     ref = torch.full_like(out, POISON)
-    marlin_moe_decode(x, ids, tw, *weights, emap, activation, 128, act, down, out,
-                      config)  # fmt: skip
+    marlin_moe_decode(x, ids, tw, *weights, emap, activation, 128, act, out, config)
     marlin_moe_decode_reference(x, ids, tw, *weights, emap, activation, 128,
-                                act.clone(), down.clone(), ref)  # fmt: skip
+                                act.clone(), ref)  # fmt: skip
     return out, ref, act, ids, emap
 
 
@@ -93,17 +91,18 @@ def _close(out, ref, tolerance):
     assert float((out.float() - ref.float()).abs().max() / scale) < tolerance
 
 
-CPU_CONFIG = MarlinDecodeConfig(8, 256, 1, 16, 256, 1)
+CPU_CONFIG = MarlinDecodeConfig(8, 256, 1, 4, 256, 1)
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu"])
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize(
-    "config", [CPU_CONFIG, MarlinDecodeConfig(256, 256, 1, 256, 256, 1)], ids=str
+    "config", [CPU_CONFIG, MarlinDecodeConfig(256, 256, 1, 32, 512, 2)], ids=str
 )
 def test_matches_reference(device, config, tokens, activation):
-    # hidden 384: GEMM1's K steps end in a masked tail; the 256-row config's
-    # tiles are partial (GEMM1: 256 pairs of 256, GEMM2: 384 = 256 + 128);
+    # hidden 384: GEMM1's K steps end in a masked tail; the wide config's
+    # tiles are partial (GEMM1: 256 pairs of 256; GEMM2: 32 columns of 384
+    # hidden, 4 x 32 rows for top-3, and one masked K step of 512 over 256);
     # inter 256: two scale groups along GEMM2's K
     out, ref, act, ids, _ = _run(
         tokens, 384, 256, 5, 3, torch.float16, device, activation, config=config
@@ -126,7 +125,7 @@ def test_expert_map_skips_remote_experts(device):
 
 
 def test_strided_inputs_and_scratch(device):
-    """x, topk_ids, topk_weights, act and down as row slices of wider
+    """x, topk_ids, topk_weights, act and out as row slices of wider
     buffers: each is read and written through its own row stride."""
     tokens, hidden, inter, experts, topk = 3, 256, 256, 4, 2
     w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.float16, device)
@@ -139,18 +138,17 @@ def test_strided_inputs_and_scratch(device):
     tw = wide(tokens, topk + 1)
     tw[:, :topk] = torch.rand(tokens, topk, generator=gen).to(device)
     act = wide(tokens * topk, inter + 32, dtype=torch.float16)
-    down = wide(tokens * topk, hidden + 32, dtype=torch.float16)
-    out = torch.full((tokens, hidden), POISON, dtype=torch.float16, device=device)
-    ref = torch.empty_like(out)
+    out = torch.full((tokens, hidden + 16), POISON, dtype=torch.float16, device=device)
+    ref = torch.empty(tokens, hidden, dtype=torch.float16, device=device)
     args = (x[:, :hidden], ids[:, :topk], tw[:, :topk], w13, s13, w2, s2, None,
             "silu", 128)  # fmt: skip
-    marlin_moe_decode(*args, act[:, :inter], down[:, :hidden], out, CPU_CONFIG)
+    marlin_moe_decode(*args, act[:, :inter], out[:, :hidden], CPU_CONFIG)
     marlin_moe_decode_reference(
         x[:, :hidden].contiguous(), ids[:, :topk].contiguous(),
-        tw[:, :topk].contiguous(), *args[3:], act[:, :inter], down[:, :hidden], ref,
+        tw[:, :topk].contiguous(), *args[3:], act[:, :inter], ref,
     )  # fmt: skip
-    _close(out, ref, 2e-3)
-    assert bool((act[:, inter:] == 0).all()) and bool((down[:, hidden:] == 0).all())
+    _close(out[:, :hidden], ref, 2e-3)
+    assert bool((act[:, inter:] == 0).all()) and bool(out[:, hidden:].isnan().all())
 
 
 def test_token_without_local_routes_gets_zeros(device):
@@ -163,10 +161,9 @@ def test_token_without_local_routes_gets_zeros(device):
         t.to(device) for t in (x, ids, torch.rand(1, 2), w13, s13, w2, s2)
     )
     out = torch.full((1, 128), POISON, dtype=torch.float16, device=device)
-    act = torch.empty(2, 128, dtype=torch.float16, device=device)
-    down = torch.empty(2, 128, dtype=torch.float16, device=device)
+    act = torch.full((2, 128), POISON, dtype=torch.float16, device=device)
     marlin_moe_decode(
-        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, down, out, CPU_CONFIG
+        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out, CPU_CONFIG
     )
     assert bool((out == 0).all())
 
@@ -184,25 +181,30 @@ def test_bad_inputs_raise(device):
         t.to(device) for t in (x, ids, tw, w13, s13, w2, s2)
     )
     act = torch.empty(2, 128, dtype=torch.float16, device=device)
-    down = torch.empty(2, 128, dtype=torch.float16, device=device)
     out = torch.empty(1, 128, dtype=torch.float16, device=device)
     call = functools.partial(marlin_moe_decode, x, ids, tw)
-    rest = (None, "silu", 128, act, down, out, CPU_CONFIG)
+    rest = (None, "silu", 128, act, out, CPU_CONFIG)
     with pytest.raises(ValueError, match="w13_scales"):
         call(w13, s13.float(), w2, s2, *rest)
     with pytest.raises(ValueError, match=r"^w2:"):
         call(w13, s13, w2[:, :64], s2, *rest)
     with pytest.raises(ValueError, match="group_size"):
-        call(w13, s13, w2, s2, None, "silu", 96, act, down, out)
+        call(w13, s13, w2, s2, None, "silu", 96, act, out)
     with pytest.raises(ValueError, match="activation"):
-        call(w13, s13, w2, s2, None, "gelu", 128, act, down, out)
-    with pytest.raises(ValueError, match="down"):
-        call(w13, s13, w2, s2, None, "silu", 128, act, down[:1], out)
+        call(w13, s13, w2, s2, None, "gelu", 128, act, out)
+    with pytest.raises(ValueError, match=r"^act:"):
+        call(w13, s13, w2, s2, None, "silu", 128, act[:1], out)
     with pytest.raises(ValueError, match="group_size"):
-        call(w13, s13, w2, s2, None, "silu", 0, act, down, out)
-    for bad in ((4, 256, 2, 8, 256, 1), (0, 256, 1, 8, 256, 1), (4, 256, 1, 8, 256, 3)):
+        call(w13, s13, w2, s2, None, "silu", 0, act, out)
+    for bad in (
+        (4, 256, 2, 8, 256, 1),  # 32 lanes x 2 warps need 512 columns
+        (0, 256, 1, 8, 256, 1),
+        (4, 256, 1, 8, 256, 3),
+        (4, 256, 1, 3, 256, 1),  # 2 x 3 rows: not a power of two
+        (4, 256, 1, 128, 256, 1),  # 2 x 128 rows: past MAX_DOWN_ROWS
+    ):
         with pytest.raises(ValueError, match="config"):
-            call(w13, s13, w2, s2, None, "silu", 128, act, down, out,
+            call(w13, s13, w2, s2, None, "silu", 128, act, out,
                  MarlinDecodeConfig(*bad))  # fmt: skip
 
 
@@ -226,10 +228,9 @@ def test_gpu_cuda_graph_replay_with_new_routing():
     ids = torch.zeros(tokens, topk, dtype=torch.int32, device=dev)
     tw = torch.rand(tokens, topk, device=dev)
     act = torch.empty(tokens * topk, inter, dtype=torch.bfloat16, device=dev)
-    down = torch.empty(tokens * topk, hidden, dtype=torch.bfloat16, device=dev)
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
     call = functools.partial(marlin_moe_decode, x, ids, tw, w13, s13, w2, s2, None,
-                             "silu", 128, act, down, out)  # fmt: skip
+                             "silu", 128, act, out)  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         call()  # compile outside capture
@@ -243,5 +244,5 @@ def test_gpu_cuda_graph_replay_with_new_routing():
         graph.replay()
         ref = torch.empty_like(out)
         marlin_moe_decode_reference(x, ids, tw, w13, s13, w2, s2, None, "silu", 128,
-                                    act, down, ref)  # fmt: skip
+                                    act, ref)  # fmt: skip
         _close(out, ref, 2e-2)

@@ -103,9 +103,10 @@ def _nibble(words, i: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _row_terms(
-    x_ptrs,  # [WORDS, 8] one row of A at this K step
+    x_ptrs,  # [WORDS, 8] one row of A at this K step, or [WORDS, ROWS, 8]
     k_left,  # its columns from here on
     EVEN_K: tl.constexpr,
+    X_PER_ROW: tl.constexpr,  # x_ptrs has a row of A per weight row
     w0,
     w1,
     w2,
@@ -113,26 +114,29 @@ def _row_terms(
     w4,
     w5,
     w6,
-    w7,  # [BLOCK_N, WORDS] q - 8 of nibbles 0..7
+    w7,  # [ROWS, WORDS] q - 8 of nibbles 0..7
 ):
-    """fp32 [BLOCK_N, WORDS]: each word's 8 weights times the row's columns."""
+    """fp32 [ROWS, WORDS]: each word's 8 weights times the row's columns."""
     if EVEN_K:
         x = tl.load(x_ptrs).to(tl.float32)
     else:
-        offs = tl.arange(0, x_ptrs.shape[0])[:, None] * 8 + tl.arange(0, 8)[None, :]
+        offs = tl.arange(0, w0.shape[1])[:, None] * 8 + tl.arange(0, 8)[None, :]
+        if X_PER_ROW:
+            offs = offs[:, None, :]
         x = tl.load(x_ptrs, mask=offs < k_left, other=0.0).to(tl.float32)
     # Column j = 4a + 2b + e of a word sits in nibble (2a + b) + 4e.
-    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2, 2)))
+    if X_PER_ROW:
+        x = tl.reshape(tl.permute(x, (1, 0, 2)), (x.shape[1], x.shape[0], 2, 2, 2))
+    else:
+        x = tl.reshape(x, (1, x.shape[0], 2, 2, 2))  # one row for every weight row
+    x_even, x_odd = tl.split(x)
     x_e0, x_e1 = tl.split(x_even)
     x_o0, x_o1 = tl.split(x_odd)
     x0, x2 = tl.split(x_e0)
     x1, x3 = tl.split(x_e1)
     x4, x6 = tl.split(x_o0)
     x5, x7 = tl.split(x_o1)
-    return (
-        w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
-        + w4 * x4[None, :] + w5 * x5[None, :] + w6 * x6[None, :] + w7 * x7[None, :]
-    )  # fmt: skip
+    return w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3 + w4 * x4 + w5 * x5 + w6 * x6 + w7 * x7
 
 
 @triton.jit
@@ -151,7 +155,7 @@ def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 def dot_rows(
     w_rows,  # [BLOCK_N] pointers to each weight row's first packed word
     s_rows,  # [BLOCK_N] pointers to each row's scale of group 0 (or channel)
-    x_ptr,  # row 0 of A
+    x_ptr,  # row 0 of A, or [BLOCK_N] rows of A, one per weight row
     stride_xm,
     M,  # rows of A (1 to BLOCK_M)
     K,
@@ -163,9 +167,12 @@ def dot_rows(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no bounds checks in the loop
     ASM: tl.constexpr,  # inline PTX allowed (:func:`inline_ptx`)
     PDL: tl.constexpr,
+    X_PER_ROW: tl.constexpr = False,  # x_ptr per weight row (BLOCK_M 1)
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
-    the (up to 4) rows of A. Every row pointer must be in bounds: callers
+    the (up to 4) rows of A, or with each weight row's own row of A
+    (``X_PER_ROW``: the activations then arrive per row, 16 bytes per
+    packed word instead of per lane). Every row pointer must be in bounds: callers
     clamp rows past N to the last one and do not store their sums; rows of
     A past M repeat row M - 1 the same way.
 
@@ -184,7 +191,12 @@ def dot_rows(
     offs_w = tl.arange(0, WORDS)
     w_ptrs = w_rows[:, None] + offs_w[None, :]
     offs_x = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
-    x0_ptrs = x_ptr + offs_x
+    if X_PER_ROW:
+        # [WORDS, BLOCK_N, 8]: with the words first, Triton lays them over
+        # the lanes as in the weights (rows first: a conversion per step).
+        x0_ptrs = x_ptr[None, :, None] + offs_x[:, None, :]
+    else:
+        x0_ptrs = x_ptr + offs_x
     x1_ptrs = x0_ptrs + tl.minimum(1, M - 1) * stride_xm
     x2_ptrs = x0_ptrs + tl.minimum(2, M - 1) * stride_xm
     x3_ptrs = x0_ptrs + tl.minimum(3, M - 1) * stride_xm
@@ -227,18 +239,18 @@ def dot_rows(
         else:
             scale = tl.full((BLOCK_N, WORDS), 1.0, tl.float32)
         acc0 += scale * _row_terms(
-            x0_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+            x0_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
         )
         if BLOCK_M > 1:
             acc1 += scale * _row_terms(
-                x1_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+                x1_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
             )
         if BLOCK_M > 2:
             acc2 += scale * _row_terms(
-                x2_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+                x2_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
             )
             acc3 += scale * _row_terms(
-                x3_ptrs + k, K - k, EVEN_K, w0, w1, w2, w3, w4, w5, w6, w7
+                x3_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
             )
         packed = packed_next
     if GROUP_SIZE < 0:

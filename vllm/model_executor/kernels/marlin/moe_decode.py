@@ -10,11 +10,12 @@ tiles for what is two matrix-vector products per route:
   matching up rows (w13 holds gate rows, then up rows), multiplies them by
   the token's hidden state and writes ``act(gate, up)`` into row ``route`` of
   ``act`` [T * topk, I].
-- GEMM2 (:func:`_down_kernel`): one program per (route, ``BLOCK_N`` hidden
-  rows) writes ``topk_weight * act[route] @ w2[e]^T`` into row ``route`` of
-  ``down`` [T * topk, H] (zeros for a route without a local expert); one
-  ``torch.sum`` over each token's ``topk`` rows gives the output, in order
-  (deterministic, no atomics).
+- GEMM2 with the sum over routes (:func:`_down_sum_kernel`): one program
+  per (token, ``BLOCK_N`` output columns) takes those columns' rows of each
+  of the token's ``topk`` experts (``topk x BLOCK_N`` weight rows, each with
+  its route's ``act`` row), weights each route's products and adds them in
+  registers: the output in one pass, in order (deterministic, no atomics,
+  no per-route scratch, no separate sum).
 
 A route whose expert id is outside [0, E) or, under ``expert_map``, not
 local adds nothing. The grids depend only on the token count: capturable in
@@ -107,14 +108,14 @@ def _gated_kernel(
 
 
 @triton.jit(do_not_specialize=["stride_wn", "stride_sn"])
-def _down_kernel(
+def _down_sum_kernel(
     act_ptr,
     ids_ptr,
     map_ptr,
     topk_weights_ptr,
     w_ptr,  # int32 [E, H, I // 8]
     s_ptr,  # [E, I // GROUP_SIZE, H]
-    down_ptr,
+    out_ptr,
     inter,
     hidden,
     topk,
@@ -123,54 +124,68 @@ def _down_kernel(
     stride_act,
     stride_ids,
     stride_weights,
-    stride_down,
+    stride_out,
     stride_we,
     stride_wn,  # I // 8, unspecialized (see dot_rows)
     stride_se,
     stride_sn,  # 1, unspecialized
     HAS_MAP: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    TOPK: tl.constexpr,  # topk rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # The routing is two launches back (readable before the wait, see pdl);
-    # act is the previous kernel's: dot_rows waits before reading it.
-    route = tl.program_id(0)
-    token = route // topk
-    slot = token * stride_ids + route % topk
+    # Weight row r of the program: the token's route r // BLOCK_N, output
+    # column r % BLOCK_N. The routing is two launches back (readable before
+    # the wait, see pdl); act is the previous kernel's: dot_rows waits
+    # before reading it.
+    token = tl.program_id(0)
+    r = tl.arange(0, TOPK * BLOCK_N)
+    slot = r // BLOCK_N
+    cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
     expert = route_bucket(
-        ids_ptr, map_ptr, slot, route >= 0, num_experts, num_local, HAS_MAP
-    )
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < hidden
-    product = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if expert < num_local:
-        expert_64 = expert.to(tl.int64)
-        w_rows = tl.minimum(rows, hidden - 1)  # rows past H repeat the last
-        product, _, _, _ = dot_rows(
-            w_ptr + expert_64 * stride_we + w_rows.to(tl.int64) * stride_wn,
-            s_ptr + expert_64 * stride_se + w_rows * stride_sn,
-            act_ptr + route * stride_act, 0, 1, inter, hidden,
-            GROUP_SIZE, 1, BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL,
-        )  # fmt: skip
-        weight_slot = token * stride_weights + route % topk
-        product *= tl.load(topk_weights_ptr + weight_slot)
-    else:
-        pdl_wait(PDL)  # stores come after the wait
+        ids_ptr, map_ptr, token * stride_ids + slot, slot < topk, num_experts,
+        num_local, HAS_MAP,
+    )  # fmt: skip
+    local = expert < num_local
+    # Rows of routes without a local expert read expert 0's rows (one copy
+    # for all of them: same addresses) and are dropped below; columns past
+    # H repeat the last.
+    expert_64 = tl.where(local, expert, 0).to(tl.int64)
+    w_rows = tl.minimum(cols, hidden - 1)
+    route = token * topk + tl.minimum(slot, topk - 1)
+    product, _, _, _ = dot_rows(
+        w_ptr + expert_64 * stride_we + w_rows.to(tl.int64) * stride_wn,
+        s_ptr + expert_64 * stride_se + w_rows * stride_sn,
+        act_ptr + route * stride_act, 0, 1, inter, hidden,
+        GROUP_SIZE, 1, TOPK * BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL, X_PER_ROW=True,
+    )  # fmt: skip
+    weight = tl.load(topk_weights_ptr + token * stride_weights + slot, mask=local)
+    # A select, not a product: act rows of routes without an expert are
+    # never written (they may hold anything, NaN included).
+    weighted = tl.where(local, product * weight, 0.0)
+    total = tl.sum(tl.reshape(weighted, (TOPK, BLOCK_N)), axis=0)
+    out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(
-        down_ptr + route * stride_down + rows,
-        product.to(down_ptr.dtype.element_ty),
-        mask=row_ok,
+        out_ptr + token * stride_out + out_cols,
+        total.to(out_ptr.dtype.element_ty),
+        mask=out_cols < hidden,
     )
+
+
+# Weight rows per GEMM2 program (topk rounded up to a power of two, times
+# its columns): beyond this its products spill registers.
+MAX_DOWN_ROWS = 128
 
 
 @dataclass(frozen=True)
 class MarlinDecodeConfig:
-    """GEMM1's gate/up pairs and K step per program, GEMM2's rows and K step;
-    a K step of ``32 x num_warps`` words (``block_k / 8``) at least."""
+    """GEMM1's gate/up pairs, K step and warps per program; GEMM2's output
+    columns (each with ``topk`` weight rows), K step and warps; a K step of
+    ``32 x num_warps`` words (``block_k / 8``) at least."""
 
     gated_block_n: int
     gated_block_k: int
@@ -180,13 +195,11 @@ class MarlinDecodeConfig:
     down_warps: int
 
 
-def default_marlin_decode_config(tokens: int) -> MarlinDecodeConfig:
-    """The fastest of 20 on the H200 (``benchmark_moe_decode --weights w4a16
-    --sweep``): GEMV1 8 pairs x 1024, GEMM2 16 rows x 256 in one warp, or x
-    512 in two at one token (23.2 against 25.3 us)."""
-    if tokens == 1:
-        return MarlinDecodeConfig(8, 1024, 4, 16, 512, 2)
-    return MarlinDecodeConfig(8, 1024, 4, 16, 256, 1)
+def default_marlin_decode_config() -> MarlinDecodeConfig:
+    """The fastest of 20 on the H200 at 1-4 tokens (``benchmark_moe_decode
+    --weights w4a16 --sweep``): GEMM1 8 pairs x 1024 in four warps, GEMM2
+    2 columns (16 rows at top-8) x 256 in one warp."""
+    return MarlinDecodeConfig(8, 1024, 4, 1, 256, 1)
 
 
 def _check(
@@ -201,7 +214,6 @@ def _check(
     activation: str,
     group_size: int,
     act: torch.Tensor,
-    down: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
     """Raise naming the first argument that does not fit."""
@@ -242,15 +254,20 @@ def _check(
     if activation not in ACTIVATIONS:
         raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
     check_rows("act", act, tokens * topk, inter, (x.dtype,), device)
-    check_rows("down", down, tokens * topk, hidden, (x.dtype,), device)
-    if out.shape != (tokens, hidden) or not out.is_contiguous():
-        raise arg_error("out", f"contiguous [{tokens}, {hidden}], got {out.shape}")
     check_rows("out", out, tokens, hidden, (x.dtype,), device)
+    if out.shape[0] != tokens:
+        raise arg_error("out", f"{tokens} rows (one per token), got {out.shape[0]}")
 
 
-def _check_config(config: MarlinDecodeConfig) -> None:
+def _check_config(config: MarlinDecodeConfig, topk: int) -> None:
     check_tile(config.gated_block_n, config.gated_block_k, config.gated_warps, config)
-    check_tile(config.down_block_n, config.down_block_k, config.down_warps, config)
+    down_rows = triton.next_power_of_2(topk) * config.down_block_n
+    check_tile(down_rows, config.down_block_k, config.down_warps, config)
+    if down_rows > MAX_DOWN_ROWS:
+        raise ValueError(
+            f"config: down_block_n x topk (rounded up to a power of two) must be "
+            f"at most {MAX_DOWN_ROWS} weight rows, got {down_rows}: {config}"
+        )
 
 
 def marlin_moe_decode(
@@ -265,19 +282,17 @@ def marlin_moe_decode(
     activation: str,
     group_size: int,
     act: torch.Tensor,
-    down: torch.Tensor,
     out: torch.Tensor,
     config: MarlinDecodeConfig | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
     :class:`MarlinExperts`' weights (w13 [E, 2I, H // 8] gate rows then up
     rows, w2 [E, H, I // 8], scales [E, groups, N] in ``x``'s dtype);
-    ``act`` [>= T * topk, I] and ``down`` [>= T * topk, H] are scratch.
-    Returns ``out``."""
+    ``act`` [>= T * topk, I] is scratch. Returns ``out``."""
     _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
-           activation, group_size, act, down, out)  # fmt: skip
-    config = config or default_marlin_decode_config(x.shape[0])
-    _check_config(config)
+           activation, group_size, act, out)  # fmt: skip
+    config = config or default_marlin_decode_config()
+    _check_config(config, topk_ids.shape[1])
     tokens, hidden = x.shape
     topk, inter, experts = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
     if tokens == 0:
@@ -296,17 +311,16 @@ def marlin_moe_decode(
         ASM=asm, PDL=launch_pdl, num_warps=config.gated_warps,
         launch_pdl=launch_pdl,
     )  # fmt: skip
-    _down_kernel[(routes, triton.cdiv(hidden, config.down_block_n))](
-        act, topk_ids, map_arg, topk_weights, w2, w2_scales, down, inter, hidden,
+    _down_sum_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
+        act, topk_ids, map_arg, topk_weights, w2, w2_scales, out, inter, hidden,
         topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), down.stride(0), w2.stride(0), w2.stride(1),
+        topk_weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
         w2_scales.stride(0), w2_scales.stride(2), HAS_MAP=expert_map is not None,
-        GROUP_SIZE=group_size, BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
-        ASM=asm, PDL=launch_pdl, num_warps=config.down_warps,
-        launch_pdl=launch_pdl,
+        GROUP_SIZE=group_size, TOPK=triton.next_power_of_2(topk),
+        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
+        EVEN_K=inter % config.down_block_k == 0, ASM=asm, PDL=launch_pdl,
+        num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
-    torch.sum(down[:routes].view(tokens, topk, hidden), dim=1, out=out)
     return out
 
 
@@ -322,13 +336,12 @@ def marlin_moe_decode_reference(
     activation: str,
     group_size: int,
     act: torch.Tensor,
-    down: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """:func:`marlin_moe_decode` in plain PyTorch (fp32 math on the
-    dequantized weights; ``act`` and ``down`` untouched)."""
+    dequantized weights; ``act`` untouched)."""
     _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
-           activation, group_size, act, down, out)  # fmt: skip
+           activation, group_size, act, out)  # fmt: skip
     ids = topk_ids.long()
     num_ids = len(w13) if expert_map is None else len(expert_map)
     valid = (ids >= 0) & (ids < num_ids)
@@ -342,6 +355,5 @@ def marlin_moe_decode_reference(
         h = gated_act_reference(activation, gate_up @ x[t].float())
         h = h.to(x.dtype).float()  # act is stored in the input dtype
         w_down = dequantize_weights(w2[e], w2_scales[e].float(), group_size)
-        partial = topk_weights[t, k] * (w_down @ h)
-        result[t] += partial.to(x.dtype).float()  # down is stored too
+        result[t] += topk_weights[t, k] * (w_down @ h)
     return out.copy_(result)

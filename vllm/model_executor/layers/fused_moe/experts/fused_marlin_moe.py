@@ -6,8 +6,8 @@ routed rows by local expert into workspace13; grouped GEMM1 -> workspace2;
 gated activation -> workspace13; grouped GEMM2 -> workspace2;
 ``moe_unpermute`` reduces into the output. Decode batches (up to
 ``MARLIN_DECODE_MAX_TOKENS`` tokens) skip the sort: :func:`marlin_moe_decode`
-runs each route's two products on the CUDA cores, its activations in
-workspace13 and weighted outputs in workspace2.
+runs each route's GEMM1 on the CUDA cores into workspace13, then GEMM2 and
+the sum over each token's routes in one kernel straight into the output.
 
 CUDA tensors run the Triton kernel (:func:`marlin_gemm_grouped`: no host sync,
 capturable); CPU tensors run a reference (dequantize, one matmul per expert).
@@ -214,7 +214,6 @@ class MarlinExperts(FusedMoEExperts):
                 moe.activation,
                 GROUP_SIZE,
                 carve(workspace13, (rows, i), dtype),
-                carve(workspace2, (rows, k), dtype),
                 output,
             )
             return
