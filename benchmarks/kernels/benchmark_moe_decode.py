@@ -215,7 +215,7 @@ def sweep_marlin_tiles(
     steps = {}
     for gated, down_tile in itertools.product(
         ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8)),
-        ((1, 256, 1), (2, 256, 1), (4, 256, 1), (2, 512, 2), (4, 256, 2)),
+        ((1, 256, 1), (2, 256, 1), (4, 256, 1), (1, 512, 2), (2, 512, 2)),
     ):
         config = MarlinDecodeConfig(*gated, *down_tile)
 
