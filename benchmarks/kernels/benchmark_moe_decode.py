@@ -214,7 +214,15 @@ def sweep_marlin_tiles(
     out = torch.empty_like(hidden)
     steps = {}
     for gated, down_tile in itertools.product(
-        ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8)),
+        (
+            (4, 1024, 4),
+            (8, 1024, 4),
+            (16, 1024, 4),
+            (8, 512, 2),
+            (4, 2048, 2),
+            (8, 2048, 4),
+            (8, 2048, 8),
+        ),
         ((1, 256, 1), (2, 256, 1), (4, 256, 1), (1, 512, 2), (2, 512, 2)),
     ):
         config = MarlinDecodeConfig(*gated, *down_tile)

@@ -196,10 +196,11 @@ class MarlinDecodeConfig:
 
 
 def default_marlin_decode_config() -> MarlinDecodeConfig:
-    """The fastest of 20 on the H200 at 1-4 tokens (``benchmark_moe_decode
-    --weights w4a16 --sweep``): GEMM1 8 pairs x 1024 in four warps, GEMM2
-    2 columns (16 rows at top-8) x 256 in one warp."""
-    return MarlinDecodeConfig(8, 1024, 4, 1, 256, 1)
+    """The fastest of 35 on the H200 at one token and within 3% of the
+    fastest at 2 and 4 (``benchmark_moe_decode --weights w4a16 --sweep``):
+    GEMM1 8 pairs x 512 in two warps, GEMM2 2 columns (16 weight rows at
+    top-8) x 256 in one warp."""
+    return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
 
 
 def _check(

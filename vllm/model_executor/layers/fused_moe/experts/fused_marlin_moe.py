@@ -43,8 +43,8 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
 # Up to this many tokens the route-by-route decode kernels run: per-route
 # weight reads cost little while few tokens share an expert (on the H200 at
-# qwen3-30b-a3b dims they win up to 4 tokens, 72.5 against 77.9 us, and lose
-# at 8, 118.1 against 104.1: benchmarks/RESULTS.md).
+# qwen3-30b-a3b dims they win up to 4 tokens, 58.8 against 73.0 us, and tie
+# at 8, 103.8 against 103.8: benchmarks/RESULTS.md).
 MARLIN_DECODE_MAX_TOKENS = 4
 
 
