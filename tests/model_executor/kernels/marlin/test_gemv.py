@@ -166,7 +166,7 @@ def test_gpu_model_sizes(shape, m, group_size):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out, config=default_gemv_config(m),
+        size_k=k, out=out, config=default_gemv_config(m, k),
     )  # fmt: skip
     _check(out, exact, bound)
 
@@ -180,7 +180,7 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     gemm = functools.partial(
         marlin_gemm, b_packed=packed, scales=scales, workspace=locks,
-        group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(m),
+        group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(m, k),
     )  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

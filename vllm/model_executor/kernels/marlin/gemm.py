@@ -160,7 +160,7 @@ def marlin_gemm(
         return out
     if isinstance(config, GemvConfig) or (config is None and gemv_applies(m)):
         if not isinstance(config, GemvConfig):
-            config = default_gemv_config(m)
+            config = default_gemv_config(m, size_k)
         launch_gemv(a, b_packed, scales, out, group_size, config)
         return out
 
