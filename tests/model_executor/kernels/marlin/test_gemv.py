@@ -7,10 +7,16 @@ go through TRITON_INTERPRET at tiny sizes; ``gpu`` tests use model sizes.
 """
 
 import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from vllm import envs
 from vllm.model_executor.kernels.marlin import (
     marlin_gemm,
     marlin_workspace_numel,
@@ -21,8 +27,10 @@ from vllm.model_executor.kernels.marlin import (
 from vllm.model_executor.kernels.marlin.gemv import (
     GEMV_MAX_M,
     GemvConfig,
+    _marlin_gemv_kernel,
     default_gemv_config,
     gemv_applies,
+    inline_ptx,
 )
 
 # The interpreter rounds to bf16 by truncation: one ulp, not half.
@@ -98,6 +106,13 @@ def test_matches_exact_product(device, shape, m, dtype, config):
 def test_gemv_applies_by_rows():
     assert gemv_applies(1) and gemv_applies(2)
     assert not gemv_applies(3) and not gemv_applies(GEMV_MAX_M + 1)
+
+
+def test_inline_ptx_only_in_kernels_compiled_for_nvidia():
+    """The interpreter (CPU runs) cannot execute PTX, even for a CUDA tensor."""
+    assert not inline_ptx(torch.device("cpu"), _marlin_gemv_kernel)
+    compiled = not envs.triton_interpret() and torch.version.hip is None
+    assert inline_ptx(torch.device("cuda"), _marlin_gemv_kernel) == compiled
 
 
 def test_default_dispatch_by_rows(device):
@@ -195,3 +210,25 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, *_exact(a, packed, scales, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer"
+)
+@pytest.mark.parametrize("module", ["test_gemv.py", "test_moe_decode.py"])
+def test_gpu_clamped_reads_stay_in_bounds(module):
+    """The decode kernels clamp rows past N, rows of A past M, invalid expert
+    ids and the EVEN_K prefetch instead of masking them: the device tests of
+    ``module`` (partial tiles, invalid ids, row strides) under memcheck, with
+    the caching allocator off so that a read past any tensor is caught."""
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", GPU_TESTS_ONLY="1")
+    result = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
+         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-m", "not gpu", str(Path(__file__).with_name(module))],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    report = result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0, report
+    assert "ERROR SUMMARY: 0 errors" in report, report

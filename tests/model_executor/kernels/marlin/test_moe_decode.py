@@ -16,6 +16,7 @@ import torch
 from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
 from vllm.model_executor.kernels.marlin.moe_decode import (
     MarlinDecodeConfig,
+    decode_fits_topk,
     marlin_moe_decode,
     marlin_moe_decode_reference,
 )
@@ -23,10 +24,10 @@ from vllm.model_executor.kernels.marlin.moe_decode import (
 POISON = float("nan")
 
 
-def _pack(w: torch.Tensor, dtype: torch.dtype):
+def _pack(w: torch.Tensor, dtype: torch.dtype, group_size: int = 128):
     packed, scales = [], []
     for e in range(w.shape[0]):
-        q, s = quantize_weights(w[e], 128)
+        q, s = quantize_weights(w[e], group_size)
         packed.append(repack_weights(q))
         scales.append(s.to(dtype))
     return torch.stack(packed), torch.stack(scales)
@@ -44,18 +45,19 @@ def _ids(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Te
     return ids.to(torch.int32)
 
 
-def _weights(experts, hidden, inter, dtype, device, seed=0):
+def _weights(experts, hidden, inter, dtype, device, seed=0, group_size=128):
     """Packed w13, its scales, w2, its scales: drawn and packed on ``device``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device)
     w2 = torch.randn(experts, hidden, inter, generator=gen, device=device) / 8
-    return (*_pack(w13, dtype), *_pack(w2, dtype))
+    return (*_pack(w13, dtype, group_size), *_pack(w2, dtype, group_size))
 
 
 def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
-         expert_map=None, config=None, seed=0):  # fmt: skip
+         expert_map=None, config=None, seed=0, group_size=128):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device, seed)
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device, seed,
+                                group_size)  # fmt: skip
     num_ids = experts if expert_map is None else len(expert_map)
     ids = _ids(tokens, topk, num_ids, gen)
     x = (torch.randn(tokens, hidden, generator=gen) / 4).to(dtype)
@@ -68,8 +70,10 @@ def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
     act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
     out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
     ref = torch.full_like(out, POISON)
-    marlin_moe_decode(x, ids, tw, *weights, emap, activation, 128, act, out, config)
-    marlin_moe_decode_reference(x, ids, tw, *weights, emap, activation, 128,
+    marlin_moe_decode(
+        x, ids, tw, *weights, emap, activation, group_size, act, out, config
+    )
+    marlin_moe_decode_reference(x, ids, tw, *weights, emap, activation, group_size,
                                 act.clone(), ref)  # fmt: skip
     return out, ref, act, ids, emap
 
@@ -112,16 +116,26 @@ def test_matches_reference(device, config, tokens, activation):
     assert bool(torch.isnan(act[untouched.to(act.device)]).all())
 
 
-def test_expert_map_skips_remote_experts(device):
+@pytest.mark.parametrize("topk", [1, 4])
+def test_expert_map_skips_remote_experts(device, topk):
     expert_map = torch.tensor([-1, 0, 2, -1, 1, -1], dtype=torch.int32)
     out, ref, act, ids, _ = _run(
-        3, 256, 128, 3, 4, torch.float16, device, expert_map=expert_map,
+        3, 256, 128, 3, topk, torch.float16, device, expert_map=expert_map,
         config=CPU_CONFIG,
     )  # fmt: skip
     _close(out, ref, 2e-3)
     local = _local(ids, 3, expert_map).flatten().to(act.device)
     assert bool(torch.isnan(act[~local]).all())
     assert not bool(torch.isnan(act[local]).any())
+
+
+def test_group_not_a_power_of_two(device):
+    """Group 384 against K steps of 256: a step's scale lanes straddle
+    groups (the general lane formula, not the hoisted one)."""
+    out, ref, *_ = _run(
+        2, 768, 384, 3, 2, torch.float16, device, config=CPU_CONFIG, group_size=384
+    )
+    _close(out, ref, 2e-3)
 
 
 def test_strided_inputs_and_scratch(device):
@@ -196,6 +210,16 @@ def test_bad_inputs_raise(device):
         call(w13, s13, w2, s2, None, "silu", 128, act[:1], out)
     with pytest.raises(ValueError, match="group_size"):
         call(w13, s13, w2, s2, None, "silu", 0, act, out)
+    # Nothing to read: the kernels would read expert 0's rows out of bounds.
+    with pytest.raises(ValueError, match=r"^w13: .*one expert"):
+        call(w13[:0], s13[:0], w2[:0], s2[:0], *rest)
+    with pytest.raises(ValueError, match=r"^w13: .*gate/up pair"):
+        call(w13[:, :0], s13[:, :, :0], w2[:, :, :0], s2[:, :0], *rest)
+    with pytest.raises(ValueError, match=r"^x: .*H > 0"):
+        marlin_moe_decode(x[:, :0], ids, tw, w13[:, :, :0], s13[:, :0], w2[:, :0],
+                          s2[:, :, :0], *rest)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^topk_ids: .*topk > 0"):
+        marlin_moe_decode(x, ids[:, :0], tw[:, :0], w13, s13, w2, s2, *rest)
     for bad in (
         (4, 256, 2, 8, 256, 1),  # 32 lanes x 2 warps need 512 columns
         (0, 256, 1, 8, 256, 1),
@@ -206,6 +230,13 @@ def test_bad_inputs_raise(device):
         with pytest.raises(ValueError, match="config"):
             call(w13, s13, w2, s2, None, "silu", 128, act, out,
                  MarlinDecodeConfig(*bad))  # fmt: skip
+
+
+def test_decode_fits_topk_up_to_64():
+    """The default GEMM2 program's rows (MAX_DOWN_ROWS) hold top-64 at most:
+    the experts take their sorted path beyond it."""
+    assert decode_fits_topk(1) and decode_fits_topk(8) and decode_fits_topk(64)
+    assert not decode_fits_topk(65)
 
 
 @pytest.mark.gpu

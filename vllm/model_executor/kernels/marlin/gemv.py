@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm import envs
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
@@ -306,11 +305,13 @@ def _marlin_gemv_kernel(
         tl.store(c_ptrs + 3 * stride_cm, out3.to(dtype), mask=mask_n & (row + 3 < M))
 
 
-def inline_ptx(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use inline PTX (compiled for an
-    NVIDIA GPU, not the Triton interpreter)."""
+def inline_ptx(device: torch.device, kernel: object) -> bool:
+    """Whether ``kernel`` may use inline PTX on ``device``: compiled (not
+    the interpreter's, whatever the environment says now) for an NVIDIA GPU."""
     return (
-        device.type == "cuda" and not torch.version.hip and not envs.triton_interpret()
+        isinstance(kernel, triton.runtime.JITFunction)
+        and device.type == "cuda"
+        and not torch.version.hip
     )
 
 
@@ -346,7 +347,7 @@ def launch_gemv(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0,
-        ASM=inline_ptx(a.device),
+        ASM=inline_ptx(a.device, _marlin_gemv_kernel),
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
         launch_pdl=launch_pdl,

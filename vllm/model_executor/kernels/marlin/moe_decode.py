@@ -203,6 +203,13 @@ def default_marlin_decode_config() -> MarlinDecodeConfig:
     return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
 
 
+def decode_fits_topk(topk: int) -> bool:
+    """Whether the default config's GEMM2 program holds a token's ``topk``
+    routes (at most :data:`MAX_DOWN_ROWS` weight rows: top-64 at most)."""
+    rows = triton.next_power_of_2(topk) * default_marlin_decode_config().down_block_n
+    return rows <= MAX_DOWN_ROWS
+
+
 def _check(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -218,8 +225,10 @@ def _check(
     out: torch.Tensor,
 ) -> None:
     """Raise naming the first argument that does not fit."""
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
-        raise arg_error("x", f"a [T, H] bf16 or fp16 tensor, got {x.dtype} {x.shape}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not x.shape[1]:
+        raise arg_error(
+            "x", f"a [T, H > 0] bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}"
+        )
     (tokens, hidden), device = x.shape, x.device
     check_rows("x", x, tokens, hidden, (x.dtype,), device)
     if w13.dim() != 3 or w13.dtype != torch.int32 or w13.shape[2] * 8 != hidden:
@@ -227,6 +236,10 @@ def _check(
             "w13", f"int32 [E, 2I, {hidden // 8}], got {w13.dtype} {tuple(w13.shape)}"
         )
     experts, inter = w13.shape[0], w13.shape[1] // 2
+    if not experts or not inter:  # the kernels read expert 0's rows for any route
+        raise arg_error(
+            "w13", f"at least one expert and one gate/up pair, got {tuple(w13.shape)}"
+        )
     if group_size <= 0 or hidden % group_size or inter % group_size or group_size % 128:
         raise arg_error(
             "group_size", f"a multiple of 128 dividing {hidden} and {inter}, got "
@@ -245,8 +258,10 @@ def _check(
             )  # fmt: skip
         if not t.is_contiguous():
             raise arg_error(name, "a contiguous tensor")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
-        raise arg_error("topk_ids", f"[{tokens}, topk], got {tuple(topk_ids.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.shape[1]:
+        raise arg_error(
+            "topk_ids", f"[{tokens}, topk > 0], got {tuple(topk_ids.shape)}"
+        )
     topk = topk_ids.shape[1]
     check_rows("topk_ids", topk_ids, tokens, topk, (torch.int32, torch.int64), device)
     check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
@@ -301,7 +316,7 @@ def marlin_moe_decode(
     num_ids = experts if expert_map is None else expert_map.numel()
     map_arg = expert_map if expert_map is not None else topk_ids
     routes = tokens * topk
-    launch_pdl, asm = pdl(x.device), inline_ptx(x.device)
+    launch_pdl, asm = pdl(x.device), inline_ptx(x.device, _gated_kernel)
     _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
         experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),

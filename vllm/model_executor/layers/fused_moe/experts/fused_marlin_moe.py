@@ -21,7 +21,10 @@ import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
-from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    decode_fits_topk,
+    marlin_moe_decode,
+)
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -201,7 +204,11 @@ class MarlinExperts(FusedMoEExperts):
         rows, dtype, device = topk_ids.numel(), moe.in_dtype, hidden_states.device
         k, i = moe.hidden_size, moe.intermediate_size
         tokens = hidden_states.shape[0]
-        if runs_gpu_kernels(hidden_states) and tokens <= self.decode_max_tokens:
+        if (
+            runs_gpu_kernels(hidden_states)
+            and tokens <= self.decode_max_tokens
+            and decode_fits_topk(topk_ids.shape[1])  # else the sorted path
+        ):
             marlin_moe_decode(
                 hidden_states,
                 topk_ids,
