@@ -1,11 +1,12 @@
 """The MoE layer at decode sizes against the bytes it must read.
 
-For bf16 (``triton``), fp8 (``triton_fp8``), uint4 (``triton_w4a8``) and
-W4A16 (``marlin``, :mod:`~vllm.model_executor.kernels.marlin.moe_decode`)
-experts at each token count: the layer as the model calls it (the router's
-GEMM and routing, fused at 1 token, then the modular kernel), timed
-under CUDA-graph replay on the decode kernels (route by route,
-:mod:`~vllm.model_executor.kernels.grouped_gemm.decode`), on the same
+For bf16 (``triton``), fp8 (``triton_fp8``), W4A8 (``triton_w4a8``) and
+W4A16 (``marlin``) experts at each token count: the layer as the model
+calls it (the router's GEMM and routing, fused at 1 token, then the modular
+kernel), timed under CUDA-graph replay on the decode kernels (route by
+route: :mod:`~vllm.model_executor.kernels.grouped_gemm.decode` for 16-bit
+and fp8 weights, :mod:`~vllm.model_executor.kernels.marlin.moe_decode` for
+uint4 ones), on the same
 launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
 1 token with the router's GEMM and routing as two kernels
 (``skinny_gemm`` + ``topk_softmax``), and on the sorted path; the bound
@@ -54,7 +55,6 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.experts.fused_marlin_moe import (
     GROUP_SIZE,
-    MARLIN_DECODE_MAX_TOKENS,
     MarlinExperts,
 )
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import (
@@ -192,10 +192,10 @@ def bench(
         times.get("split_router"), times["sorted"], kernels["decode_no_pdl"],
         len(kernels["sorted"]),
     )  # fmt: skip
-    if isinstance(experts, MarlinExperts):
+    if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
         sweep = (
-            sweep_marlin_tiles(experts, hidden[0], ids)
-            if args.sweep and tokens <= MARLIN_DECODE_MAX_TOKENS
+            sweep_uint4_tiles(experts, hidden[0], ids)
+            if args.sweep and tokens <= type(experts).decode_max_tokens
             else {}
         )
         return row, sweep, str(default_marlin_decode_config())
@@ -203,11 +203,18 @@ def bench(
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
-def sweep_marlin_tiles(
-    experts: MarlinExperts, hidden: torch.Tensor, ids: list[torch.Tensor]
+def sweep_uint4_tiles(
+    experts: MarlinExperts | TritonExpertsW4A8,
+    hidden: torch.Tensor,
+    ids: list[torch.Tensor],
 ) -> dict[str, float]:
-    """:func:`sweep_tiles` for the W4A16 decode kernels."""
+    """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8)."""
     moe = experts.moe
+    if isinstance(experts, MarlinExperts):
+        packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
+                  experts.w2_scales)  # fmt: skip
+    else:
+        packed = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
     rows, dtype = ids[0].numel(), hidden.dtype
     weights = torch.rand(ids[0].shape, device=hidden.device)
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
@@ -229,9 +236,8 @@ def sweep_marlin_tiles(
 
         def step(it: int, config: MarlinDecodeConfig = config) -> None:
             marlin_moe_decode(
-                hidden, ids[it], weights, experts.w13_packed, experts.w13_scales,
-                experts.w2_packed, experts.w2_scales, None, moe.activation,
-                GROUP_SIZE, act, out, config,
+                hidden, ids[it], weights, *packed, None, moe.activation, GROUP_SIZE,
+                act, out, config,
             )  # fmt: skip
 
         steps[str(config)] = step
@@ -239,7 +245,7 @@ def sweep_marlin_tiles(
 
 
 def sweep_tiles(
-    experts: TritonExperts | TritonExpertsFp8 | TritonExpertsW4A8,
+    experts: TritonExperts | TritonExpertsFp8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
 ) -> dict[str, float]:
@@ -260,8 +266,6 @@ def sweep_tiles(
         if 2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads:
             continue
         config = DecodeConfig(gn, gk, dn, dk, warps)
-        if isinstance(experts, TritonExpertsW4A8) and (gk % 128 or dk % 128):
-            continue  # uint4 weights step K in whole groups
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(

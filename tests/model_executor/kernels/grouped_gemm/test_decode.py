@@ -1,7 +1,7 @@
 """The route-by-route decode kernels against their plain-PyTorch reference:
 poisoned outputs, repeated / first / last / invalid / non-local experts,
-uint4 weights with group scales, fp8 weights with channel scales (CUDA),
-graph replay with new routing."""
+fp8 weights with channel scales (CUDA), graph replay with new routing.
+uint4 weights refused by name (``marlin/moe_decode.py`` decodes them)."""
 
 import pytest
 import torch
@@ -25,13 +25,12 @@ def dims(device):
     return CUDA_DIMS if device.type == "cuda" else CPU_DIMS
 
 
-def make_weights(device, dtype, experts, hidden, inter, fp8=False, w4=False):
+def make_weights(device, dtype, experts, hidden, inter, fp8=False):
     w13 = torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device=device) / inter**0.5
     w13 = interleave_gate_up(w13)
-    if fp8 or w4:
-        quantize = quantize_w4 if w4 else per_channel_quant_fp8
-        (w13, w13_scale), (w2, w2_scale) = map(quantize, (w13, w2))
+    if fp8:
+        (w13, w13_scale), (w2, w2_scale) = map(per_channel_quant_fp8, (w13, w2))
         return w13, w13_scale, w2, w2_scale
     return w13.to(dtype), None, w2.to(dtype), None
 
@@ -107,31 +106,13 @@ def test_invalid_and_non_local_experts_add_nothing(device):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_uint4_weights_match_reference(device, tokens):
-    """Packed uint4 weights with a scale per row and group of 128 columns:
-    several groups per K step, a partial last step (hidden 384 in steps of
-    256), GEMM2 in two steps (intermediate 256 in steps of 128: the next
-    step's weights load before the current one's products), a non-local
-    expert under a map."""
-    torch.manual_seed(tokens)
-    cuda = device.type == "cuda"
-    experts, hidden, inter, topk = (128, 2048, 768, 8) if cuda else (6, 384, 256, 3)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    w13, s13, w2, s2 = make_weights(device, dtype, experts, hidden, inter, w4=True)
-    assert w13.dtype == torch.uint8 and s13.shape == (experts, 2 * inter, hidden // 128)
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    ids, weights = routing(tokens, experts, topk, device)
-    expert_map = torch.arange(experts, dtype=torch.int32, device=device)
-    expert_map[ids[0, 1]] = -1  # that route adds nothing
-    config = None if cuda else DecodeConfig(8, 256, 8, 128)
-    got, ref = run_both(x, ids, weights, w13, s13, w2, s2, expert_map, config)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
-    with pytest.raises(ValueError, match="config: expected block_k multiples of 128"):
-        run_both(x, ids, weights, w13, s13, w2, s2, None, DecodeConfig(8, 64, 8, 64))
-    with pytest.raises(ValueError, match="w13_scale: expected contiguous"):
-        run_both(x, ids, weights, w13, s13[..., :1], w2, s2, None, config)
+def test_uint4_weights_are_refused(device):
+    x = torch.randn(1, 128, device=device)
+    ids, weights = routing(1, 2, 2, device)
+    w13, s13 = quantize_w4(torch.randn(2, 64, 128, device=device))
+    w2, s2 = quantize_w4(torch.randn(2, 128, 128, device=device))
+    with pytest.raises(ValueError, match=r"^w13: .* or fp8 weights, got torch.uint8"):
+        run_both(x, ids, weights, w13, s13, w2, s2, None, None)
 
 
 def test_non_multiple_sizes_and_fp16(device):

@@ -13,10 +13,12 @@ import functools
 import pytest
 import torch
 
+from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
 from vllm.model_executor.kernels.marlin.moe_decode import (
     MarlinDecodeConfig,
-    decode_fits_topk,
+    decode_supports,
     marlin_moe_decode,
     marlin_moe_decode_reference,
 )
@@ -45,19 +47,24 @@ def _ids(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Te
     return ids.to(torch.int32)
 
 
-def _weights(experts, hidden, inter, dtype, device, seed=0, group_size=128):
-    """Packed w13, its scales, w2, its scales: drawn and packed on ``device``."""
+def _weights(experts, hidden, inter, dtype, device, seed=0, group_size=128,
+             w4a8=False):  # fmt: skip
+    """Packed w13, its scales, w2, its scales: drawn and packed on ``device``
+    as MarlinExperts holds them, or (``w4a8``) as TritonExpertsW4A8 does."""
     gen = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device)
     w2 = torch.randn(experts, hidden, inter, generator=gen, device=device) / 8
+    if w4a8:
+        return (*quantize_w4(interleave_gate_up(w13)), *quantize_w4(w2))
     return (*_pack(w13, dtype, group_size), *_pack(w2, dtype, group_size))
 
 
 def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
-         expert_map=None, config=None, seed=0, group_size=128):  # fmt: skip
+         expert_map=None, config=None, seed=0, group_size=128,
+         w4a8=False):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device, seed,
-                                group_size)  # fmt: skip
+                                group_size, w4a8)  # fmt: skip
     num_ids = experts if expert_map is None else len(expert_map)
     ids = _ids(tokens, topk, num_ids, gen)
     x = (torch.randn(tokens, hidden, generator=gen) / 4).to(dtype)
@@ -136,6 +143,21 @@ def test_group_not_a_power_of_two(device):
         2, 768, 384, 3, 2, torch.float16, device, config=CPU_CONFIG, group_size=384
     )
     _close(out, ref, 2e-3)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_w4a8_packing_matches_reference(device, tokens):
+    """TritonExpertsW4A8's weights (nibbles in column order, gate and up rows
+    interleaved, fp32 scales [E, N, K / 128]) on the same kernels: partial
+    tiles and a masked K step as above, remote experts under a map."""
+    expert_map = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
+    out, ref, act, ids, emap = _run(
+        tokens, 384, 256, 3, 3, torch.float16, device, "swiglu", expert_map,
+        MarlinDecodeConfig(8, 256, 1, 4, 512, 2), w4a8=True,
+    )  # fmt: skip
+    _close(out, ref, 2e-3)
+    untouched = ~_local(ids, 3, emap).flatten().to(act.device)
+    assert bool(torch.isnan(act[untouched]).all())
 
 
 def test_strided_inputs_and_scratch(device):
@@ -232,11 +254,14 @@ def test_bad_inputs_raise(device):
                  MarlinDecodeConfig(*bad))  # fmt: skip
 
 
-def test_decode_fits_topk_up_to_64():
+def test_decode_supports_16_bit_activations_up_to_top_64():
     """The default GEMM2 program's rows (MAX_DOWN_ROWS) hold top-64 at most:
-    the experts take their sorted path beyond it."""
-    assert decode_fits_topk(1) and decode_fits_topk(8) and decode_fits_topk(64)
-    assert not decode_fits_topk(65)
+    the experts take their sorted path beyond it, and for fp32 activations."""
+    for topk in (1, 8, 64):
+        assert decode_supports(torch.bfloat16, topk)
+        assert decode_supports(torch.float16, topk)
+    assert not decode_supports(torch.bfloat16, 65)
+    assert not decode_supports(torch.float32, 8)
 
 
 @pytest.mark.gpu

@@ -15,11 +15,10 @@ the unpermute there, and its 64/128-row tiles leave most SMs idle. Here:
 
 Each program streams its weight rows in 16-byte loads along K; with a few
 hundred programs the GPU keeps enough loads in flight to run at the memory
-bound. Weights are bf16/fp16, fp8 with one fp32 scale per output channel
-([E, N]), or uint4 as :mod:`.w4a8` packs them (uint8 [E, N, K / 2] with
-fp32 scales [E, N, K / 128]: half the bytes of fp8); activations stay in
-the input dtype (an fp8 layer's decode runs w8a16, a W4A8 layer's w4a16:
-no activation quantization pass). A route whose expert id is outside
+bound. Weights are bf16/fp16 or fp8 with one fp32 scale per output
+channel ([E, N]); activations stay in the input dtype (an fp8 layer's
+decode runs w8a16: no activation quantization pass); uint4 weights have
+their own (``marlin/moe_decode.py``). A route whose expert id is outside
 [0, E) or, under ``expert_map``, not local, adds nothing (its ``act`` row
 is not written); a token without local routes gets zeros. The grids depend
 only on the token count: the launches can be captured in a CUDA graph.
@@ -54,71 +53,12 @@ from vllm.model_executor.kernels.common.checks import (
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
-from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
 
 # Up to this many tokens the expert layers take these kernels: per-route
 # weight reads cost little while few tokens share an expert (top-8 of 128:
 # ~7% re-read at 4 tokens); above it the sorted path reads each expert once.
 DECODE_MAX_TOKENS = 8
-GROUP = tl.constexpr(W4_GROUP)  # uint4 weights' columns per scale, in the kernels
-
-
-@triton.jit
-def _nibbles(packed):
-    """fp32 ``(low - 8, high - 8)`` of uint8 pairs of uint4 values, with no
-    int-to-float conversion (a slow instruction): a nibble ORed into the
-    mantissa of 2^23 is 2^23 + q exactly."""
-    low = (packed & 15).to(tl.uint32) | 0x4B000000
-    high = (packed >> 4).to(tl.uint32) | 0x4B000000
-    bias = 8388616.0  # 2^23 + 8
-    return (
-        low.to(tl.float32, bitcast=True) - bias,
-        high.to(tl.float32, bitcast=True) - bias,
-    )
-
-
-@triton.jit
-def _w4_rows_dot(
-    w_ptr,
-    w_scale_ptr,
-    w_row,  # [ROWS] int64 rows of the flattened [E * N, K / 2] weights
-    row_ok,
-    x_row_ptr,
-    K,
-    ROWS: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # a multiple of GROUP
-):
-    """fp32 [ROWS]: the dequantized uint4 rows' dot products with the vector
-    at ``x_row_ptr`` (each byte holds columns 2j and 2j + 1)."""
-    groups = K // GROUP
-    half = tl.arange(0, BLOCK_K // 2)
-    g = tl.arange(0, BLOCK_K // GROUP)
-    product = tl.zeros((ROWS,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        col_ok = k + 2 * half < K
-        x_even = tl.load(x_row_ptr + k + 2 * half, mask=col_ok, other=0.0)
-        x_odd = tl.load(x_row_ptr + k + 2 * half + 1, mask=col_ok, other=0.0)
-        packed = tl.load(
-            w_ptr + w_row[:, None] * (K // 2) + k // 2 + half[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0x88,
-        )
-        low, high = _nibbles(packed)
-        terms = (
-            low * x_even.to(tl.float32)[None, :] + high * x_odd.to(tl.float32)[None, :]
-        )
-        per_group = tl.sum(
-            tl.reshape(terms, (ROWS, BLOCK_K // GROUP, GROUP // 2)), axis=2
-        )
-        group = k // GROUP + g
-        scale = tl.load(
-            w_scale_ptr + w_row[:, None] * groups + group[None, :],
-            mask=row_ok[:, None] & (group < groups)[None, :],
-            other=0.0,
-        )
-        product += tl.sum(per_group * scale, axis=1)
-    return product
 
 
 @triton.jit
@@ -139,7 +79,6 @@ def _decode_gated_kernel(
     stride_act,
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    W4: tl.constexpr,
     MODE: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -160,22 +99,16 @@ def _decode_gated_kernel(
         rows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         row_ok = rows < 2 * inter
         w_row = expert.to(tl.int64) * 2 * inter + rows
-        if W4:
-            product = _w4_rows_dot(
-                w_ptr, w_scale_ptr, w_row, row_ok, x_ptr + token * stride_x, K,
-                2 * BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        else:
-            w_rows = w_ptr + w_row[:, None] * K
-            acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                cols = k + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + token * stride_x + cols, mask=cols < K, other=0.0)
-                mask = row_ok[:, None] & (cols < K)[None, :]
-                w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            product = tl.sum(acc, axis=1)
-        if HAS_SCALE and not W4:
+        w_rows = w_ptr + w_row[:, None] * K
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + token * stride_x + cols, mask=cols < K, other=0.0)
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        product = tl.sum(acc, axis=1)
+        if HAS_SCALE:
             scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
             product *= tl.load(scale_ptrs, mask=row_ok, other=0.0)
         gate, up = tl.split(tl.reshape(product, (BLOCK_N, 2)))
@@ -208,7 +141,6 @@ def _decode_down_kernel(
     stride_out,
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    W4: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -235,64 +167,28 @@ def _decode_down_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     # Each step loads the next step's weights (masked off past inter): the
     # first tile streams while GEMM1 finishes
-    if W4:
-        groups = inter // GROUP
-        half = tl.arange(0, BLOCK_K // 2)
-        g = tl.arange(0, BLOCK_K // GROUP)
-        w_rows = w_ptr + w_row[:, :, None] * (inter // 2)
-        packed = tl.load(
-            w_rows + half[None, None, :],
-            mask=tile_ok & (2 * half < inter)[None, None, :],
-            other=0x88,
-        )
-        pdl_wait(PDL)  # act is the previous kernel's
-        for k in range(0, inter, BLOCK_K):
-            a_ptrs = act_ptr + routes[:, None] * stride_act + k + 2 * half[None, :]
-            a_ok = valid[:, None] & (k + 2 * half < inter)[None, :]
-            a_even = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
-            a_odd = tl.load(a_ptrs + 1, mask=a_ok, other=0.0).to(tl.float32)
-            low, high = _nibbles(packed)
-            terms = low * a_even[:, None, :] + high * a_odd[:, None, :]
-            per_group = tl.sum(
-                tl.reshape(terms, (BLOCK_R, BLOCK_N, BLOCK_K // GROUP, GROUP // 2)),
-                axis=3,
-            )
-            group = k // GROUP + g
-            scale = tl.load(
-                w_scale_ptr + w_row[:, :, None] * groups + group[None, None, :],
-                mask=tile_ok & (group < groups)[None, None, :],
-                other=0.0,
-            )
-            acc += tl.sum(per_group * scale, axis=2)
-            next_k = k + BLOCK_K + 2 * half
-            packed = tl.load(
-                w_rows + (k + BLOCK_K) // 2 + half[None, None, :],
-                mask=tile_ok & (next_k < inter)[None, None, :],
-                other=0x88,
-            )
-    else:
-        w_rows = w_ptr + w_row[:, :, None] * inter
-        cols = tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_rows + cols[None, None, :],
-            mask=tile_ok & (cols < inter)[None, None, :],
+    w_rows = w_ptr + w_row[:, :, None] * inter
+    cols = tl.arange(0, BLOCK_K)
+    w = tl.load(
+        w_rows + cols[None, None, :],
+        mask=tile_ok & (cols < inter)[None, None, :],
+        other=0.0,
+    )
+    pdl_wait(PDL)  # act is the previous kernel's
+    for k in range(0, inter, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            act_ptr + routes[:, None] * stride_act + cols[None, :],
+            mask=valid[:, None] & (cols < inter)[None, :],
             other=0.0,
         )
-        pdl_wait(PDL)  # act is the previous kernel's
-        for k in range(0, inter, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            a = tl.load(
-                act_ptr + routes[:, None] * stride_act + cols[None, :],
-                mask=valid[:, None] & (cols < inter)[None, :],
-                other=0.0,
-            )
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
-            w = tl.load(
-                w_rows + BLOCK_K + cols[None, None, :],
-                mask=tile_ok & (cols + BLOCK_K < inter)[None, None, :],
-                other=0.0,
-            )
-    if HAS_SCALE and not W4:
+        acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+        w = tl.load(
+            w_rows + BLOCK_K + cols[None, None, :],
+            mask=tile_ok & (cols + BLOCK_K < inter)[None, None, :],
+            other=0.0,
+        )
+    if HAS_SCALE:
         scale_ptrs = (
             w_scale_ptr
             + tl.where(valid, experts, 0).to(tl.int64)[:, None] * hidden
@@ -354,38 +250,25 @@ def _check(
         )  # fmt: skip
     (tokens, hidden), device = x.shape, x.device
     check_rows("x", x, tokens, hidden, (x.dtype,), device)
-    weight_dtypes = (x.dtype, FP8_DTYPE, torch.uint8)
-    if w13.dim() != 3 or w13.shape[1] % 2 or w13.dtype not in weight_dtypes:
+    if w13.dim() != 3 or w13.shape[1] % 2 or w13.dtype not in (x.dtype, FP8_DTYPE):
         raise arg_error(
-            "w13", f"[E, 2I, {hidden}] {x.dtype} or fp8 weights, or uint4 ones "
-            f"packed [E, 2I, {hidden // 2}] uint8, got {w13.dtype} {tuple(w13.shape)}",
+            "w13", f"[E, 2I, {hidden}] {x.dtype} or fp8 weights, got {w13.dtype} "
+            f"{tuple(w13.shape)}",
         )  # fmt: skip
     experts, two_inter = w13.shape[:2]
     inter = two_inter // 2
-    w4 = w13.dtype == torch.uint8
-    if w4 and (hidden % W4_GROUP or inter % W4_GROUP):
-        raise arg_error(
-            "w13", f"hidden and intermediate sizes in whole groups of {W4_GROUP} "
-            f"for uint4 weights, got {hidden} and {inter}",
-        )  # fmt: skip
-    packed = 2 if w4 else 1  # columns per element
-    w13_shape = (experts, two_inter, hidden // packed)
-    check_contiguous("w13", w13, w13.dtype, w13_shape, device)
-    check_contiguous("w2", w2, w13.dtype, (experts, hidden, inter // packed), device)
+    check_contiguous("w13", w13, w13.dtype, (experts, two_inter, hidden), device)
+    check_contiguous("w2", w2, w13.dtype, (experts, hidden, inter), device)
     scaled = w13.dtype != x.dtype
-    groups = ((hidden // W4_GROUP,), (inter // W4_GROUP,)) if w4 else ((), ())
     for name, scale, shape in (
-        ("w13_scale", w13_scale, (experts, two_inter, *groups[0])),
-        ("w2_scale", w2_scale, (experts, hidden, *groups[1])),
+        ("w13_scale", w13_scale, (experts, two_inter)),
+        ("w2_scale", w2_scale, (experts, hidden)),
     ):
         if scale is not None and scaled:
             check_contiguous(name, scale, torch.float32, shape, device)
         elif (scale is None) == scaled:
             got = "None" if scale is None else "a tensor"
-            raise arg_error(
-                name, f"fp32 [E, N] for fp8 weights, [E, N, K / {W4_GROUP}] for "
-                f"uint4 ones, else None, got {got}",
-            )  # fmt: skip
+            raise arg_error(name, f"fp32 [E, N] for fp8 weights, else None, got {got}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
         raise arg_error("topk_ids", f"[{tokens}, topk], got {tuple(topk_ids.shape)}")
     topk = topk_ids.shape[1]
@@ -424,9 +307,6 @@ def moe_decode(
            activation, act, out)  # fmt: skip
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
-    w4 = w13.dtype == torch.uint8
-    if w4 and (config.gated_block_k % W4_GROUP or config.down_block_k % W4_GROUP):
-        raise arg_error("config", f"block_k multiples of {W4_GROUP} for uint4 weights")
     topk, inter, num_ids = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
     if expert_map is not None:
         num_ids = expert_map.numel()
@@ -439,7 +319,7 @@ def moe_decode(
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
         topk_ids.stride(0),
         act.stride(0), HAS_MAP=expert_map is not None,
-        HAS_SCALE=w13_scale is not None, W4=w4, MODE=MODES[activation],
+        HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
         PDL=launch_pdl, num_warps=config.num_warps, launch_pdl=launch_pdl,
@@ -450,7 +330,7 @@ def moe_decode(
         num_ids, w13.shape[0], act.stride(0), topk_ids.stride(0),
         topk_weights.stride(0),
         out.stride(0), HAS_MAP=expert_map is not None,
-        HAS_SCALE=w2_scale is not None, W4=w4, BLOCK_R=triton.next_power_of_2(topk),
+        HAS_SCALE=w2_scale is not None, BLOCK_R=triton.next_power_of_2(topk),
         BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, PDL=launch_pdl,
         num_warps=config.num_warps, launch_pdl=launch_pdl,
@@ -475,11 +355,7 @@ def moe_decode_reference(
     _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
            activation, act, out)  # fmt: skip
     gate_up, down = (
-        w.float()
-        if scale is None
-        else dequantize_w4(w, scale)
-        if w.dtype == torch.uint8
-        else w.float() * scale[..., None]
+        w.float() if scale is None else w.float() * scale[..., None]
         for w, scale in ((w13, w13_scale), (w2, w2_scale))
     )
     gate_up = deinterleave_gate_up(gate_up)

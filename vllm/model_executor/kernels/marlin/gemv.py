@@ -117,7 +117,7 @@ def _row_terms(
     w4,
     w5,
     w6,
-    w7,  # [ROWS, WORDS] q - 8 of nibbles 0..7
+    w7,  # [ROWS, WORDS] q - 8 of columns 0..7 of each word
 ):
     """fp32 [ROWS, WORDS]: each word's 8 weights times the row's columns."""
     if EVEN_K:
@@ -127,18 +127,18 @@ def _row_terms(
         if X_PER_ROW:
             offs = offs[:, None, :]
         x = tl.load(x_ptrs, mask=offs < k_left, other=0.0).to(tl.float32)
-    # Column j = 4a + 2b + e of a word sits in nibble (2a + b) + 4e.
+    # Column j = 4a + 2b + c of the word, split out as x_j.
     if X_PER_ROW:
         x = tl.reshape(tl.permute(x, (1, 0, 2)), (x.shape[1], x.shape[0], 2, 2, 2))
     else:
         x = tl.reshape(x, (1, x.shape[0], 2, 2, 2))  # one row for every weight row
-    x_even, x_odd = tl.split(x)
-    x_e0, x_e1 = tl.split(x_even)
-    x_o0, x_o1 = tl.split(x_odd)
-    x0, x2 = tl.split(x_e0)
-    x1, x3 = tl.split(x_e1)
-    x4, x6 = tl.split(x_o0)
-    x5, x7 = tl.split(x_o1)
+    x_c0, x_c1 = tl.split(x)
+    x_b0c0, x_b1c0 = tl.split(x_c0)
+    x_b0c1, x_b1c1 = tl.split(x_c1)
+    x0, x4 = tl.split(x_b0c0)
+    x2, x6 = tl.split(x_b1c0)
+    x1, x5 = tl.split(x_b0c1)
+    x3, x7 = tl.split(x_b1c1)
     return w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3 + w4 * x4 + w5 * x5 + w6 * x6 + w7 * x7
 
 
@@ -171,6 +171,7 @@ def dot_rows(
     ASM: tl.constexpr,  # inline PTX allowed (:func:`inline_ptx`)
     PDL: tl.constexpr,
     X_PER_ROW: tl.constexpr = False,  # x_ptr per weight row (BLOCK_M 1)
+    NIBBLES_IN_ORDER: tl.constexpr = False,  # nibble i: column i (W4A8's packing)
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
     the (up to 4) rows of A, or with each weight row's own row of A
@@ -217,14 +218,23 @@ def dot_rows(
     for k in range(0, K, BLOCK_K):
         packed_next = _load_words(w_ptrs, offs_w, k + BLOCK_K, K, BLOCK_K, EVEN_K)
         upper = packed >> 16
+        # w_j: the weights of column j of each word.
         w0 = _nibble(packed, 0, ASM)
-        w1 = _nibble(packed, 1, ASM)
-        w2 = _nibble(packed, 2, ASM)
-        w3 = _nibble(packed, 3, ASM)
-        w4 = _nibble(upper, 0, ASM)
-        w5 = _nibble(upper, 1, ASM)
-        w6 = _nibble(upper, 2, ASM)
         w7 = _nibble(upper, 3, ASM)
+        if NIBBLES_IN_ORDER:
+            w1 = _nibble(packed, 1, ASM)
+            w2 = _nibble(packed, 2, ASM)
+            w3 = _nibble(packed, 3, ASM)
+            w4 = _nibble(upper, 0, ASM)
+            w5 = _nibble(upper, 1, ASM)
+            w6 = _nibble(upper, 2, ASM)
+        else:  # Marlin's: nibble i < 4 holds column 2i, nibble i + 4 column 2i + 1
+            w2 = _nibble(packed, 1, ASM)
+            w4 = _nibble(packed, 2, ASM)
+            w6 = _nibble(packed, 3, ASM)
+            w1 = _nibble(upper, 0, ASM)
+            w3 = _nibble(upper, 1, ASM)
+            w5 = _nibble(upper, 2, ASM)
         if GROUP_SIZE > 0:
             if BLOCK_K % GROUP_SIZE == 0:  # k starts a group: lane offsets fixed
                 s_step = s_ptrs + (k // GROUP_SIZE) * s_group_stride

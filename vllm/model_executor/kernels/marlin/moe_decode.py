@@ -42,6 +42,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import route_bucket
@@ -53,7 +54,7 @@ def _gated_kernel(
     ids_ptr,
     map_ptr,
     w_ptr,  # int32 [E, 2I, K // 8]
-    s_ptr,  # [E, K // GROUP_SIZE, 2I]
+    s_ptr,  # [E, K // GROUP_SIZE, 2I] (Marlin) or [E, 2I, K // GROUP_SIZE] (W4A8)
     act_ptr,
     K,
     inter,
@@ -66,8 +67,11 @@ def _gated_kernel(
     stride_we,
     stride_wn,  # K // 8, unspecialized (see dot_rows)
     stride_se,
-    stride_sn,  # 1, unspecialized
+    stride_sn,  # unspecialized (see dot_rows)
+    stride_sg,  # from one group's scales to the next
     HAS_MAP: tl.constexpr,
+    GATE_UP_INTERLEAVED: tl.constexpr,  # rows gate 0, up 0, ... (W4A8's w13)
+    NIBBLES_IN_ORDER: tl.constexpr,
     MODE: tl.constexpr,
     ALPHA: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -89,13 +93,17 @@ def _gated_kernel(
         pair = tl.arange(0, 2 * BLOCK_N)
         # Columns past I repeat the last (not stored).
         cols = tl.minimum(tl.program_id(1) * BLOCK_N + pair % BLOCK_N, inter - 1)
-        rows = tl.where(pair < BLOCK_N, cols, inter + cols)  # gate rows, up rows
+        if GATE_UP_INTERLEAVED:
+            rows = 2 * cols + (pair >= BLOCK_N)
+        else:
+            rows = tl.where(pair < BLOCK_N, cols, inter + cols)  # gate rows, up rows
         expert_64 = expert.to(tl.int64)
         product, _, _, _ = dot_rows(
             w_ptr + expert_64 * stride_we + rows.to(tl.int64) * stride_wn,
             s_ptr + expert_64 * stride_se + rows * stride_sn,
-            x_ptr + token * stride_x, 0, 1, K, 2 * inter,
+            x_ptr + token * stride_x, 0, 1, K, stride_sg,
             GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K, EVEN_K, ASM, False,
+            NIBBLES_IN_ORDER=NIBBLES_IN_ORDER,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(product, (2, BLOCK_N)).T)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
@@ -114,7 +122,7 @@ def _down_sum_kernel(
     map_ptr,
     topk_weights_ptr,
     w_ptr,  # int32 [E, H, I // 8]
-    s_ptr,  # [E, I // GROUP_SIZE, H]
+    s_ptr,  # [E, I // GROUP_SIZE, H] (Marlin) or [E, H, I // GROUP_SIZE] (W4A8)
     out_ptr,
     inter,
     hidden,
@@ -128,8 +136,10 @@ def _down_sum_kernel(
     stride_we,
     stride_wn,  # I // 8, unspecialized (see dot_rows)
     stride_se,
-    stride_sn,  # 1, unspecialized
+    stride_sn,  # unspecialized (see dot_rows)
+    stride_sg,  # from one group's scales to the next
     HAS_MAP: tl.constexpr,
+    NIBBLES_IN_ORDER: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     TOPK: tl.constexpr,  # topk rounded up to a power of two
     BLOCK_N: tl.constexpr,
@@ -160,8 +170,9 @@ def _down_sum_kernel(
     product, _, _, _ = dot_rows(
         w_ptr + expert_64 * stride_we + w_rows.to(tl.int64) * stride_wn,
         s_ptr + expert_64 * stride_se + w_rows * stride_sn,
-        act_ptr + route * stride_act, 0, 1, inter, hidden,
+        act_ptr + route * stride_act, 0, 1, inter, stride_sg,
         GROUP_SIZE, 1, TOPK * BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL, X_PER_ROW=True,
+        NIBBLES_IN_ORDER=NIBBLES_IN_ORDER,
     )  # fmt: skip
     weight = tl.load(topk_weights_ptr + token * stride_weights + slot, mask=local)
     # A select, not a product: act rows of routes without an expert are
@@ -203,11 +214,12 @@ def default_marlin_decode_config() -> MarlinDecodeConfig:
     return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
 
 
-def decode_fits_topk(topk: int) -> bool:
-    """Whether the default config's GEMM2 program holds a token's ``topk``
-    routes (at most :data:`MAX_DOWN_ROWS` weight rows: top-64 at most)."""
+def decode_supports(dtype: torch.dtype, topk: int) -> bool:
+    """Whether the kernels take ``dtype`` activations (16-bit) and the default
+    config's GEMM2 program holds a token's ``topk`` routes (at most
+    :data:`MAX_DOWN_ROWS` weight rows: top-64)."""
     rows = triton.next_power_of_2(topk) * default_marlin_decode_config().down_block_n
-    return rows <= MAX_DOWN_ROWS
+    return dtype in (torch.bfloat16, torch.float16) and rows <= MAX_DOWN_ROWS
 
 
 def _check(
@@ -231,25 +243,43 @@ def _check(
         )
     (tokens, hidden), device = x.shape, x.device
     check_rows("x", x, tokens, hidden, (x.dtype,), device)
-    if w13.dim() != 3 or w13.dtype != torch.int32 or w13.shape[2] * 8 != hidden:
+    w4a8 = w13.dtype == torch.uint8
+    if (
+        w13.dim() != 3
+        or w13.dtype not in (torch.int32, torch.uint8)
+        or (w13.shape[2] * (2 if w4a8 else 8) != hidden)
+    ):
         raise arg_error(
-            "w13", f"int32 [E, 2I, {hidden // 8}], got {w13.dtype} {tuple(w13.shape)}"
-        )
+            "w13", f"int32 [E, 2I, {hidden // 8}] (Marlin) or uint8 [E, 2I, "
+            f"{hidden // 2}] (W4A8), got {w13.dtype} {tuple(w13.shape)}",
+        )  # fmt: skip
     experts, inter = w13.shape[0], w13.shape[1] // 2
     if not experts or not inter:  # the kernels read expert 0's rows for any route
         raise arg_error(
             "w13", f"at least one expert and one gate/up pair, got {tuple(w13.shape)}"
         )
+    if w4a8 and group_size != W4_GROUP:
+        raise arg_error("group_size", f"{W4_GROUP} for W4A8 weights, got {group_size}")
     if group_size <= 0 or hidden % group_size or inter % group_size or group_size % 128:
         raise arg_error(
             "group_size", f"a multiple of 128 dividing {hidden} and {inter}, got "
             f"{group_size}",
         )  # fmt: skip
+    groups13, groups2 = hidden // group_size, inter // group_size
     for name, t, shape, dtype in (
-        ("w13", w13, (experts, 2 * inter, hidden // 8), torch.int32),
-        ("w13_scales", w13_scales, (experts, hidden // group_size, 2 * inter), x.dtype),
-        ("w2", w2, (experts, hidden, inter // 8), torch.int32),
-        ("w2_scales", w2_scales, (experts, inter // group_size, hidden), x.dtype),
+        (
+            ("w13", w13, (experts, 2 * inter, hidden // 2), torch.uint8),
+            ("w13_scales", w13_scales, (experts, 2 * inter, groups13), torch.float32),
+            ("w2", w2, (experts, hidden, inter // 2), torch.uint8),
+            ("w2_scales", w2_scales, (experts, hidden, groups2), torch.float32),
+        )
+        if w4a8
+        else (
+            ("w13", w13, (experts, 2 * inter, hidden // 8), torch.int32),
+            ("w13_scales", w13_scales, (experts, groups13, 2 * inter), x.dtype),
+            ("w2", w2, (experts, hidden, inter // 8), torch.int32),
+            ("w2_scales", w2_scales, (experts, groups2, hidden), x.dtype),
+        )
     ):
         if t.shape != shape or t.dtype != dtype or t.device != device:
             raise arg_error(
@@ -258,6 +288,8 @@ def _check(
             )  # fmt: skip
         if not t.is_contiguous():
             raise arg_error(name, "a contiguous tensor")
+        if t.storage_offset() * t.element_size() % 4:  # read as 4-byte words
+            raise arg_error(name, "a tensor starting at a 4-byte boundary")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.shape[1]:
         raise arg_error(
             "topk_ids", f"[{tokens}, topk > 0], got {tuple(topk_ids.shape)}"
@@ -317,11 +349,17 @@ def marlin_moe_decode(
     map_arg = expert_map if expert_map is not None else topk_ids
     routes = tokens * topk
     launch_pdl, asm = pdl(x.device), inline_ptx(x.device, _gated_kernel)
+    w4a8 = w13.dtype == torch.uint8
+    # Scales per (row, group): [E, groups, N] (Marlin) or [E, N, groups] (W4A8).
+    row_dim, group_dim = (1, 2) if w4a8 else (2, 1)
+    w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # packed words
     _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
         x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
         experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
-        w13.stride(1), w13_scales.stride(0), w13_scales.stride(2),
-        HAS_MAP=expert_map is not None, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+        w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
+        w13_scales.stride(group_dim), HAS_MAP=expert_map is not None,
+        GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
+        ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
         ASM=asm, PDL=launch_pdl, num_warps=config.gated_warps,
@@ -331,11 +369,11 @@ def marlin_moe_decode(
         act, topk_ids, map_arg, topk_weights, w2, w2_scales, out, inter, hidden,
         topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
         topk_weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
-        w2_scales.stride(0), w2_scales.stride(2), HAS_MAP=expert_map is not None,
-        GROUP_SIZE=group_size, TOPK=triton.next_power_of_2(topk),
-        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
-        EVEN_K=inter % config.down_block_k == 0, ASM=asm, PDL=launch_pdl,
-        num_warps=config.down_warps, launch_pdl=launch_pdl,
+        w2_scales.stride(0), w2_scales.stride(row_dim), w2_scales.stride(group_dim),
+        HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
+        TOPK=triton.next_power_of_2(topk), BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
+        ASM=asm, PDL=launch_pdl, num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
 
@@ -367,9 +405,20 @@ def marlin_moe_decode_reference(
     result = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     for t, k in valid.nonzero().tolist():
         e = int(ids[t, k])
-        gate_up = dequantize_weights(w13[e], w13_scales[e].float(), group_size)
+        gate_up = _dequantize(w13[e], w13_scales[e], group_size)
+        if w13.dtype == torch.uint8:  # W4A8's rows: gate 0, up 0, gate 1, ...
+            gate_up = torch.cat([gate_up[0::2], gate_up[1::2]])
         h = gated_act_reference(activation, gate_up @ x[t].float())
         h = h.to(x.dtype).float()  # act is stored in the input dtype
-        w_down = dequantize_weights(w2[e], w2_scales[e].float(), group_size)
+        w_down = _dequantize(w2[e], w2_scales[e], group_size)
         result[t] += topk_weights[t, k] * (w_down @ h)
     return out.copy_(result)
+
+
+def _dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """fp32 [N, K] of one expert's weights in either packing."""
+    if packed.dtype == torch.uint8:
+        return dequantize_w4(packed, scales)
+    return dequantize_weights(packed, scales.float(), group_size)

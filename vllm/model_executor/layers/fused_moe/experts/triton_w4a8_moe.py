@@ -17,10 +17,12 @@ caller's workspaces, with no permuted copy of the activations and no
 5. GEMM2 writes its rows into workspace2 (the activation is dead);
 6. the unpermute reduces each token's top-k rows into the output.
 
-Decode batches (up to ``DECODE_MAX_TOKENS`` tokens) skip all of it but the
-GEMMs: :mod:`~vllm.model_executor.kernels.grouped_gemm.decode` streams the
-packed weights route by route against the unquantized tokens (w4a16: no
-activation quantization, no sort) and runs GEMM2 with the unpermute.
+Decode batches (up to ``DECODE_MAX_TOKENS`` tokens, 16-bit activations)
+skip all of it but the GEMMs: the uint4 decode kernels of
+:mod:`~vllm.model_executor.kernels.marlin.moe_decode` (CUDA-core products
+on either packing) stream the packed weights route by route against the
+unquantized tokens (w4a16: no activation quantization, no sort) and run
+GEMM2 with the sum over each token's routes.
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -42,7 +44,6 @@ from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
     interleave_gate_up,
-    moe_decode,
 )
 from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
@@ -53,6 +54,10 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     grouped_gemm_w4a8_gated_reference,
     grouped_gemm_w4a8_reference,
     quantize_w4,
+)
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    decode_supports,
+    marlin_moe_decode,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
@@ -167,9 +172,12 @@ class TritonExpertsW4A8(FusedMoEExperts):
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
         gpu = runs_gpu_kernels(hidden_states)
-        if gpu and num_tokens <= self.decode_max_tokens:
-            act = carve(workspace2, (rows, inter), output.dtype)
-            moe_decode(
+        if (
+            gpu
+            and num_tokens <= self.decode_max_tokens
+            and decode_supports(hidden_states.dtype, topk_ids.shape[1])
+        ):
+            marlin_moe_decode(
                 hidden_states,
                 topk_ids,
                 topk_weights,
@@ -179,7 +187,8 @@ class TritonExpertsW4A8(FusedMoEExperts):
                 self.w2_scale,
                 expert_map,
                 moe.activation,
-                act,
+                W4_GROUP,
+                carve(workspace2, (rows, inter), output.dtype),
                 output,
             )
             return
