@@ -1,5 +1,12 @@
-"""The Marlin-style W4A16 experts of a decode batch, route by route: no sort,
-no permute, on the CUDA-core products of :func:`.gemv.dot_rows`.
+"""The uint4 experts of a decode batch, route by route: no sort, no permute,
+on the CUDA-core products of :func:`.gemv.dot_rows`.
+
+Two packings of the same uint4 values (``(q - 8) * scale``, groups along K)
+are read in place: :class:`MarlinExperts`' (int32 words, nibbles in pair
+order, w13 gate rows then up rows, scales [E, groups, N] in the
+activations' dtype) and :class:`TritonExpertsW4A8`'s (uint8 pairs read as
+words, nibbles in column order, gate and up rows interleaved, fp32 scales
+[E, N, K / 128]). Either way the tokens stay 16-bit (w4a16).
 
 At a few tokens each routed expert sees one row, so the sorted path
 (permute -> grouped GEMMs -> unpermute) pays launches and 16-row tensor-core
@@ -334,9 +341,11 @@ def marlin_moe_decode(
     config: MarlinDecodeConfig | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
-    :class:`MarlinExperts`' weights (w13 [E, 2I, H // 8] gate rows then up
-    rows, w2 [E, H, I // 8], scales [E, groups, N] in ``x``'s dtype);
-    ``act`` [>= T * topk, I] is scratch. Returns ``out``."""
+    :class:`MarlinExperts`' weights (int32 w13 [E, 2I, H // 8] gate rows then
+    up rows, w2 [E, H, I // 8], scales [E, groups, N] in ``x``'s dtype) or
+    :class:`TritonExpertsW4A8`'s (uint8 w13 [E, 2I, H // 2] interleaved, w2
+    [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
+    [>= T * topk, I] is scratch. Returns ``out``."""
     _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
            activation, group_size, act, out)  # fmt: skip
     config = config or default_marlin_decode_config()
