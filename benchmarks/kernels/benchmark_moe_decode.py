@@ -43,6 +43,7 @@ from vllm.model_executor.kernels.common.router_topk import router_topk_applies
 from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
 from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
 from vllm.model_executor.kernels.grouped_gemm.decode import default_decode_config
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP
 from vllm.model_executor.kernels.marlin.moe_decode import (
     MarlinDecodeConfig,
     default_marlin_decode_config,
@@ -213,8 +214,10 @@ def sweep_uint4_tiles(
     if isinstance(experts, MarlinExperts):
         packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
                   experts.w2_scales)  # fmt: skip
+        group_size = GROUP_SIZE
     else:
         packed = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
+        group_size = W4_GROUP
     rows, dtype = ids[0].numel(), hidden.dtype
     weights = torch.rand(ids[0].shape, device=hidden.device)
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
@@ -236,7 +239,7 @@ def sweep_uint4_tiles(
 
         def step(it: int, config: MarlinDecodeConfig = config) -> None:
             marlin_moe_decode(
-                hidden, ids[it], weights, *packed, None, moe.activation, GROUP_SIZE,
+                hidden, ids[it], weights, *packed, None, moe.activation, group_size,
                 act, out, config,
             )  # fmt: skip
 

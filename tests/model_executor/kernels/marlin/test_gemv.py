@@ -212,9 +212,15 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
         _check(out, *_exact(a, packed, scales, 128))
 
 
+SANITIZER = shutil.which("compute-sanitizer") or shutil.which(
+    "compute-sanitizer",
+    path=Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin"),
+)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
-    shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer"
+    SANITIZER is None, reason="needs compute-sanitizer (PATH, $CUDA_HOME/bin)"
 )
 @pytest.mark.parametrize("module", ["test_gemv.py", "test_moe_decode.py"])
 def test_gpu_clamped_reads_stay_in_bounds(module):
@@ -224,7 +230,7 @@ def test_gpu_clamped_reads_stay_in_bounds(module):
     the caching allocator off so that a read past any tensor is caught."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", GPU_TESTS_ONLY="1")
     result = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
+        [str(SANITIZER), "--tool", "memcheck", "--error-exitcode", "99",
          sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-m", "not gpu", str(Path(__file__).with_name(module))],
         env=env, capture_output=True, text=True, timeout=900,

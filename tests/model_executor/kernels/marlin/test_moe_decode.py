@@ -1,5 +1,5 @@
-"""The W4A16 experts' decode kernels (``marlin/moe_decode.py``) against the
-plain-PyTorch reference.
+"""The uint4 experts' decode kernels (``marlin/moe_decode.py``) against the
+plain-PyTorch reference, on MarlinExperts' packing and on TritonExpertsW4A8's.
 
 Routing repeats an expert within a token, routes to the first and the last
 expert, and carries invalid ids (negative, past E) and, under
@@ -18,7 +18,7 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
 from vllm.model_executor.kernels.marlin.moe_decode import (
     MarlinDecodeConfig,
-    decode_supports,
+    decode_fits_topk,
     marlin_moe_decode,
     marlin_moe_decode_reference,
 )
@@ -145,15 +145,23 @@ def test_group_not_a_power_of_two(device):
     _close(out, ref, 2e-3)
 
 
+@pytest.mark.parametrize(
+    "hidden, config",
+    [
+        (384, MarlinDecodeConfig(8, 256, 1, 4, 512, 2)),  # masked K steps
+        (512, MarlinDecodeConfig(8, 256, 1, 4, 256, 1)),  # EVEN_K in both
+    ],
+    ids=["masked", "even"],
+)
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_w4a8_packing_matches_reference(device, tokens):
+def test_w4a8_packing_matches_reference(device, tokens, hidden, config):
     """TritonExpertsW4A8's weights (nibbles in column order, gate and up rows
     interleaved, fp32 scales [E, N, K / 128]) on the same kernels: partial
-    tiles and a masked K step as above, remote experts under a map."""
+    tiles, K steps masked or not, remote experts under a map."""
     expert_map = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
     out, ref, act, ids, emap = _run(
-        tokens, 384, 256, 3, 3, torch.float16, device, "swiglu", expert_map,
-        MarlinDecodeConfig(8, 256, 1, 4, 512, 2), w4a8=True,
+        tokens, hidden, 256, 3, 3, torch.float16, device, "swiglu", expert_map,
+        config, w4a8=True,
     )  # fmt: skip
     _close(out, ref, 2e-3)
     untouched = ~_local(ids, 3, emap).flatten().to(act.device)
@@ -242,6 +250,18 @@ def test_bad_inputs_raise(device):
                           s2[:, :, :0], *rest)  # fmt: skip
     with pytest.raises(ValueError, match=r"^topk_ids: .*topk > 0"):
         marlin_moe_decode(x, ids[:, :0], tw[:, :0], w13, s13, w2, s2, *rest)
+    # W4A8's packing: group 128 only, fp32 scales [E, N, groups], whole words.
+    q13, q13s, q2, q2s = _weights(2, 128, 128, None, device, w4a8=True)
+    with pytest.raises(ValueError, match=r"^group_size: expected 128 for W4A8"):
+        call(q13, q13s, q2, q2s, None, "silu", 256, act, out)
+    with pytest.raises(ValueError, match=r"^w13_scales: .*torch.float32 \[2, 256, 1\]"):
+        call(q13, q13s.half(), q2, q2s, *rest)
+    with pytest.raises(ValueError, match=r"^w2_scales: .*torch.float32 \[2, 128, 1\]"):
+        call(q13, q13s, q2, q2s.transpose(1, 2), *rest)  # Marlin's layout
+    shifted = torch.empty(q13.numel() + 2, dtype=torch.uint8, device=device)
+    shifted = shifted[2:].view(q13.shape).copy_(q13)
+    with pytest.raises(ValueError, match=r"^w13: .*4-byte boundary, got offset 2"):
+        call(shifted, q13s, q2, q2s, *rest)
     for bad in (
         (4, 256, 2, 8, 256, 1),  # 32 lanes x 2 warps need 512 columns
         (0, 256, 1, 8, 256, 1),
@@ -254,14 +274,11 @@ def test_bad_inputs_raise(device):
                  MarlinDecodeConfig(*bad))  # fmt: skip
 
 
-def test_decode_supports_16_bit_activations_up_to_top_64():
+def test_decode_fits_topk_up_to_64():
     """The default GEMM2 program's rows (MAX_DOWN_ROWS) hold top-64 at most:
-    the experts take their sorted path beyond it, and for fp32 activations."""
-    for topk in (1, 8, 64):
-        assert decode_supports(torch.bfloat16, topk)
-        assert decode_supports(torch.float16, topk)
-    assert not decode_supports(torch.bfloat16, 65)
-    assert not decode_supports(torch.float32, 8)
+    the experts take their sorted path beyond it."""
+    assert decode_fits_topk(1) and decode_fits_topk(8) and decode_fits_topk(64)
+    assert not decode_fits_topk(65)
 
 
 @pytest.mark.gpu

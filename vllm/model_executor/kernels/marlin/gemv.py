@@ -315,7 +315,7 @@ def _marlin_gemv_kernel(
         tl.store(c_ptrs + 3 * stride_cm, out3.to(dtype), mask=mask_n & (row + 3 < M))
 
 
-def inline_ptx(device: torch.device, kernel: object) -> bool:
+def inline_ptx(device: torch.device, kernel: triton.runtime.KernelInterface) -> bool:
     """Whether ``kernel`` may use inline PTX on ``device``: compiled (not
     the interpreter's, whatever the environment says now) for an NVIDIA GPU."""
     return (

@@ -221,12 +221,11 @@ def default_marlin_decode_config() -> MarlinDecodeConfig:
     return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
 
 
-def decode_supports(dtype: torch.dtype, topk: int) -> bool:
-    """Whether the kernels take ``dtype`` activations (16-bit) and the default
-    config's GEMM2 program holds a token's ``topk`` routes (at most
-    :data:`MAX_DOWN_ROWS` weight rows: top-64)."""
+def decode_fits_topk(topk: int) -> bool:
+    """Whether the default config's GEMM2 program holds a token's ``topk``
+    routes (at most :data:`MAX_DOWN_ROWS` weight rows: top-64)."""
     rows = triton.next_power_of_2(topk) * default_marlin_decode_config().down_block_n
-    return dtype in (torch.bfloat16, torch.float16) and rows <= MAX_DOWN_ROWS
+    return rows <= MAX_DOWN_ROWS
 
 
 def _check(
@@ -254,7 +253,7 @@ def _check(
     if (
         w13.dim() != 3
         or w13.dtype not in (torch.int32, torch.uint8)
-        or (w13.shape[2] * (2 if w4a8 else 8) != hidden)
+        or w13.shape[2] * (2 if w4a8 else 8) != hidden
     ):
         raise arg_error(
             "w13", f"int32 [E, 2I, {hidden // 8}] (Marlin) or uint8 [E, 2I, "
@@ -295,8 +294,12 @@ def _check(
             )  # fmt: skip
         if not t.is_contiguous():
             raise arg_error(name, "a contiguous tensor")
-        if t.storage_offset() * t.element_size() % 4:  # read as 4-byte words
-            raise arg_error(name, "a tensor starting at a 4-byte boundary")
+    for name, t in (("w13", w13), ("w2", w2)):
+        offset = t.storage_offset() * t.element_size()
+        if offset % 4:  # read as 4-byte words
+            raise arg_error(
+                name, f"a tensor at a 4-byte boundary, got offset {offset} bytes"
+            )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.shape[1]:
         raise arg_error(
             "topk_ids", f"[{tokens}, topk > 0], got {tuple(topk_ids.shape)}"
@@ -368,8 +371,8 @@ def marlin_moe_decode(
         w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
         w13_scales.stride(group_dim), HAS_MAP=expert_map is not None,
         GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
-        ALPHA=SWIGLU_ALPHA,
-        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, BLOCK_N=config.gated_block_n,
+        ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
+        BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
         ASM=asm, PDL=launch_pdl, num_warps=config.gated_warps,
         launch_pdl=launch_pdl,

@@ -72,6 +72,27 @@ def test_decode_kernels_in_the_pipeline_cpu(workspace_init, monkeypatch):
     check_backend("triton_w4a8", 3, 2, 4, "cpu", **CPU_DIMS)
 
 
+def test_past_top_64_takes_the_sorted_path_cpu(workspace_init, monkeypatch):
+    """The decode kernels hold a token's routes in one GEMM2 program, top-64
+    at most: top-65 takes the sorted path at one token (its GEMMs here
+    through their references)."""
+    if CUDA:
+        pytest.skip("CPU path")
+    monkeypatch.setattr(triton_w4a8_moe, "runs_gpu_kernels", lambda t: True)
+
+    def refuse(*args):
+        raise AssertionError("the decode kernels ran at top-65")
+
+    monkeypatch.setattr(triton_w4a8_moe, "marlin_moe_decode", refuse)
+    for name in ("grouped_gemm_w4a8_gated", "grouped_gemm_w4a8"):
+        reference = getattr(triton_w4a8_moe, f"{name}_reference")
+        monkeypatch.setattr(
+            triton_w4a8_moe, name, lambda *a, scale_steps, ref=reference: ref(*a)
+        )
+    torch.manual_seed(4)
+    check_backend("triton_w4a8", 1, 65, 1, "cpu", num_experts=80, **CPU_DIMS)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64, 1024])
 @pytest.mark.parametrize("topk", [2, 8])

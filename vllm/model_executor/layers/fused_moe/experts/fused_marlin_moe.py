@@ -22,7 +22,7 @@ import torch
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
 from vllm.model_executor.kernels.marlin.moe_decode import (
-    decode_supports,
+    decode_fits_topk,
     marlin_moe_decode,
 )
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
@@ -207,7 +207,7 @@ class MarlinExperts(FusedMoEExperts):
         if (
             runs_gpu_kernels(hidden_states)
             and tokens <= self.decode_max_tokens
-            and decode_supports(dtype, topk_ids.shape[1])  # else the sorted path
+            and decode_fits_topk(topk_ids.shape[1])  # else the sorted path
         ):
             marlin_moe_decode(
                 hidden_states,

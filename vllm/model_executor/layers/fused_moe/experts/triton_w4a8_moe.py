@@ -17,8 +17,8 @@ caller's workspaces, with no permuted copy of the activations and no
 5. GEMM2 writes its rows into workspace2 (the activation is dead);
 6. the unpermute reduces each token's top-k rows into the output.
 
-Decode batches (up to ``DECODE_MAX_TOKENS`` tokens, 16-bit activations)
-skip all of it but the GEMMs: the uint4 decode kernels of
+Decode batches (up to ``DECODE_MAX_TOKENS`` tokens, top-64 at most) skip
+all of it but the GEMMs: the uint4 decode kernels of
 :mod:`~vllm.model_executor.kernels.marlin.moe_decode` (CUDA-core products
 on either packing) stream the packed weights route by route against the
 unquantized tokens (w4a16: no activation quantization, no sort) and run
@@ -56,7 +56,7 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     quantize_w4,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import (
-    decode_supports,
+    decode_fits_topk,
     marlin_moe_decode,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
@@ -175,7 +175,7 @@ class TritonExpertsW4A8(FusedMoEExperts):
         if (
             gpu
             and num_tokens <= self.decode_max_tokens
-            and decode_supports(hidden_states.dtype, topk_ids.shape[1])
+            and decode_fits_topk(topk_ids.shape[1])
         ):
             marlin_moe_decode(
                 hidden_states,
