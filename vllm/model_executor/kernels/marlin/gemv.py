@@ -218,23 +218,19 @@ def dot_rows(
     for k in range(0, K, BLOCK_K):
         packed_next = _load_words(w_ptrs, offs_w, k + BLOCK_K, K, BLOCK_K, EVEN_K)
         upper = packed >> 16
-        # w_j: the weights of column j of each word.
+        # w_j: the weights of column j of each word, from nibbles 0..7.
         w0 = _nibble(packed, 0, ASM)
+        n1 = _nibble(packed, 1, ASM)
+        n2 = _nibble(packed, 2, ASM)
+        n3 = _nibble(packed, 3, ASM)
+        n4 = _nibble(upper, 0, ASM)
+        n5 = _nibble(upper, 1, ASM)
+        n6 = _nibble(upper, 2, ASM)
         w7 = _nibble(upper, 3, ASM)
         if NIBBLES_IN_ORDER:
-            w1 = _nibble(packed, 1, ASM)
-            w2 = _nibble(packed, 2, ASM)
-            w3 = _nibble(packed, 3, ASM)
-            w4 = _nibble(upper, 0, ASM)
-            w5 = _nibble(upper, 1, ASM)
-            w6 = _nibble(upper, 2, ASM)
+            w1, w2, w3, w4, w5, w6 = n1, n2, n3, n4, n5, n6
         else:  # Marlin's: nibble i < 4 holds column 2i, nibble i + 4 column 2i + 1
-            w2 = _nibble(packed, 1, ASM)
-            w4 = _nibble(packed, 2, ASM)
-            w6 = _nibble(packed, 3, ASM)
-            w1 = _nibble(upper, 0, ASM)
-            w3 = _nibble(upper, 1, ASM)
-            w5 = _nibble(upper, 2, ASM)
+            w1, w2, w3, w4, w5, w6 = n4, n1, n5, n2, n6, n3
         if GROUP_SIZE > 0:
             if BLOCK_K % GROUP_SIZE == 0:  # k starts a group: lane offsets fixed
                 s_step = s_ptrs + (k // GROUP_SIZE) * s_group_stride
