@@ -4,7 +4,9 @@
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common.rms_norm import rms_norm_reference
 from vllm.model_executor.layers import linear
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import UnquantizedLinear
 
 
@@ -44,3 +46,43 @@ def test_matches_nn_linear(
     assert layer(x.view(1, rows, 256)).shape == (1, rows, out_features)
     skinny = out_features <= {1: 5120 if with_pdl else 2048, 2: 2048}.get(rows, 0)
     assert skinny_calls == ([rows, rows] if skinny else [])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("out_features", [80, 6144])  # skinny at 1-2 rows, never
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_linear_fuses_the_norm_where_skinny_runs(
+    device, rows, out_features, with_residual, monkeypatch
+):
+    """``rms_norm_linear``: the norm in the GEMM's kernel where
+    ``skinny_gemm`` takes the product, else the norm then the linear; the
+    same product and sum either way, the residual left as it was."""
+    fused: list[int] = []
+    real = linear.rms_norm_skinny_gemm
+
+    def counted(x, *args):
+        fused.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(linear, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(linear, "pdl", lambda device: True)
+    monkeypatch.setattr(linear, "rms_norm_skinny_gemm", counted)
+    torch.manual_seed(rows * 10 + out_features)
+    layer = UnquantizedLinear(256, out_features, dtype=torch.bfloat16, device=device)
+    layer.weight.normal_()
+    norm = RMSNorm(256, 1e-6, dtype=torch.bfloat16, device=device)
+    norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(rows, 256, device=device, dtype=torch.bfloat16)
+    residual = torch.randn_like(x) if with_residual else None
+    before = None if residual is None else residual.clone()
+    out, total = linear.rms_norm_linear(norm, layer, x, residual)
+    normed, expected_total = rms_norm_reference(x, norm.weight, 1e-6, residual)
+    ref = torch.nn.functional.linear(normed.float(), layer.weight.float()).bfloat16()
+    torch.testing.assert_close(out, ref, atol=0.25, rtol=2e-2)
+    if residual is None:
+        assert total is x
+    else:
+        # one bf16 step: the interpreter rounds the sum to bf16 by truncation
+        torch.testing.assert_close(total, expected_total, atol=1e-6, rtol=2**-7)
+        assert before is not None and torch.equal(residual, before)
+    assert fused == ([rows] if rows <= 2 and out_features == 80 else [])

@@ -37,8 +37,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: a decoder layer's residual
-        add and the next norm in one kernel on CUDA (``residual`` may be
-        overwritten with the sum)."""
+        add and the next norm in one kernel on CUDA."""
         out, total = self._norm(x, residual)
         assert total is not None
         return out, total

@@ -8,9 +8,11 @@ from torch import nn
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.skinny_gemm import (
+    rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_applies,
 )
+from vllm.model_executor.layers.layernorm import RMSNorm
 
 
 class UnquantizedLinear(nn.Linear):
@@ -33,11 +35,33 @@ class UnquantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (
-            runs_gpu_kernels(x)
-            and skinny_gemm_applies(rows, self.out_features, x.dtype, pdl(x.device))
-            and x.stride(-1) == 1
-        ):
+        if self._skinny(x, rows):
             out = skinny_gemm(x.reshape(rows, self.in_features), self.weight)
             return out.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
+
+    def _skinny(self, x: torch.Tensor, rows: int) -> bool:
+        return (
+            runs_gpu_kernels(x)
+            and skinny_gemm_applies(rows, self.out_features, x.dtype, pdl(x.device))
+            and x.stride(-1) == 1
+        )
+
+
+def rms_norm_linear(
+    norm: RMSNorm,
+    linear: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x + residual)), x + residual)`` for [tokens, hidden]
+    rows (without ``residual``: of ``x``, and ``x``): a decoder layer's
+    residual add, norm and first GEMM. One kernel where ``skinny_gemm``
+    takes the product (``rms_norm_skinny_gemm``: q/k/v at one token), else
+    the norm's kernel, then the linear."""
+    if isinstance(linear, UnquantizedLinear) and linear._skinny(x, x.shape[0]):
+        return rms_norm_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight)
+    if residual is None:
+        return linear(norm(x)), x
+    normed, total = norm.add_and_norm(x, residual)
+    return linear(normed), total

@@ -41,7 +41,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import UnquantizedLinear
+from vllm.model_executor.layers.linear import UnquantizedLinear, rms_norm_linear
 from vllm.model_executor.layers.quantization.marlin import MarlinLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -158,9 +158,10 @@ def _linear(n_in: int, n_out: int, args: BuildArgs, quantize: bool = True) -> nn
 
 
 class Qwen3MoeAttention(nn.Module):
-    """Under tensor parallelism a rank holds a share of the query and KV
-    heads (q/k/v rows, ``o_proj`` columns) and sums ``o_proj``'s output over
-    the ranks."""
+    """Attention from the q/k/v product (``qkv_proj``, which the decoder
+    layer runs fused with its input norm). Under tensor parallelism a rank
+    holds a share of the query and KV heads (q/k/v rows, ``o_proj``
+    columns) and sums ``o_proj``'s output over the ranks."""
 
     def __init__(self, config: Qwen3MoeModelConfig, args: BuildArgs):
         super().__init__()
@@ -193,9 +194,8 @@ class Qwen3MoeAttention(nn.Module):
         )
         self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        tokens = qkv.shape[0]
         # strided views of the one product: the kernels below take row strides
         q, k, v = (
             qkv[:, rows].view(tokens, -1, self.head_dim)
@@ -241,16 +241,20 @@ class Qwen3MoeMLP(nn.Module):
             "down_proj": _cols((hidden, inter), start, local),
         }
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp(norm(x + residual)), x + residual)``."""
+        x, residual = norm.add_and_norm(x, residual)
         out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        return _all_reduce(out, self.tp_group)
+        return _all_reduce(out, self.tp_group), residual
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, config: Qwen3MoeModelConfig, prefix: str, args: BuildArgs):
         super().__init__()
-        self.gate = _linear(
-            config.hidden_size, config.num_experts, args, quantize=False
+        self.gate = UnquantizedLinear(
+            config.hidden_size, config.num_experts, dtype=args.dtype, device=args.device
         )
         scheme = QUANTIZATIONS.get(args.quantization or "", QuantScheme.UNQUANTIZED)
         ep = args.ep_group
@@ -275,9 +279,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             replicated_tokens=args.tp_group is not None,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the router's GEMM runs in the layer: fused with the routing at decode
-        return self.experts(x, gate_weight=self.gate.weight)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(moe(norm(x + residual)), x + residual)``: the router's GEMM and
+        the norm run in the layer, fused with the routing at decode."""
+        return self.experts.forward_normed(
+            x, residual, norm.weight, norm.eps, self.gate.weight
+        )
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -287,7 +296,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Qwen3MoeAttention(config, args)
-        self.mlp: nn.Module = (
+        self.mlp: Qwen3MoeSparseMoeBlock | Qwen3MoeMLP = (
             Qwen3MoeSparseMoeBlock(config, f"{prefix}.mlp", args)
             if config.is_sparse(layer)
             else Qwen3MoeMLP(h, config.intermediate_size, args)
@@ -304,13 +313,11 @@ class Qwen3MoeDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output is ``hidden + residual`` (returned apart, so
         that the next norm adds them in its own kernel)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        qkv, residual = rms_norm_linear(
+            self.input_layernorm, self.self_attn.qkv_proj, hidden, residual
+        )
+        hidden = self.self_attn(positions, qkv)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class Qwen3MoeModel(nn.Module):

@@ -7,7 +7,10 @@ import torch
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
-from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
+from vllm.model_executor.kernels.common.skinny_gemm import (
+    rms_norm_skinny_gemm,
+    skinny_gemm,
+)
 
 
 def test_off_the_gpu():
@@ -28,10 +31,15 @@ def test_on_from_hopper_unless_disabled(monkeypatch):
 
 def _layers(x, residual, norm_weight, weights):
     """Each kernel reads the one before's output: a kernel that read it
-    before its wait would see the previous replay's values."""
-    for w in weights:
-        h, residual = rms_norm(x, norm_weight, 1e-6, residual)
-        x = skinny_gemm(h, w)
+    before its wait would see the previous replay's values. Every other
+    layer's norm runs in its GEMM's prologue (reading a residual written
+    two launches back)."""
+    for i, w in enumerate(weights):
+        if i % 2:
+            x, residual = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, w)
+        else:
+            h, residual = rms_norm(x, norm_weight, 1e-6, residual)
+            x = skinny_gemm(h, w)
     return x, residual
 
 

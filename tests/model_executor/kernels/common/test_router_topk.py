@@ -5,7 +5,9 @@ left zero for the next launch, edge sizes and named errors."""
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.router_topk import (
+    rms_norm_router_topk,
     router_topk,
     router_topk_reference,
 )
@@ -62,4 +64,55 @@ def test_no_tokens_and_bad_arguments(device):
         router_topk(
             torch.randn(3, 64, device=device).bfloat16(), gate, 4, True, counter
         )
+    assert counter.item() == 0
+
+
+@pytest.mark.parametrize(("experts", "hidden", "topk"), [(128, 2048, 8), (20, 96, 3)])
+def test_norm_prologue_routes_the_normalized_row(device, experts, hidden, topk):
+    """``rms_norm_router_topk`` against ``rms_norm`` then ``router_topk``:
+    the sum exactly, the normalized row (written by program 0, for the
+    experts) within a bf16 step of the norm's kernel (another fp32 sum
+    order), and the same routing where that row is the same; the
+    residual left as it was and the counter zero."""
+    torch.manual_seed(experts + hidden)
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16) * 2
+    residual = torch.randn_like(x)
+    before = residual.clone()
+    norm_weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+    gate = (torch.randn(experts, hidden, device=device) / hidden**0.5).bfloat16()
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    weights, ids, normed, total = rms_norm_router_topk(
+        x, residual, norm_weight, 1e-6, gate, topk, True, counter
+    )
+    ref_normed, ref_total = rms_norm(x, norm_weight, 1e-6, residual)
+    assert ref_total is not None and torch.equal(total, ref_total)
+    assert torch.equal(residual, before) and counter.item() == 0
+    torch.testing.assert_close(normed, ref_normed, atol=1e-6, rtol=2**-7)
+    ref_weights, ref_ids = router_topk(normed, gate, topk, True, counter)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    probs = torch.softmax(normed.float() @ gate.float().T, -1)
+    top = probs.topk(topk).values
+    torch.testing.assert_close(probs.gather(1, ids.long()), top, atol=2e-3, rtol=0)
+
+
+def test_norm_prologue_bad_arguments_are_named(device):
+    x = torch.randn(1, 64, device=device, dtype=torch.bfloat16)
+    gate = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    nw = torch.ones(64, device=device, dtype=torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    bad = [
+        ((x, x[:, :32], nw, gate), "residual"),
+        ((x, x.half(), nw, gate), "residual"),
+        ((x, x, nw[:32], gate), "norm_weight"),
+        ((x, x, nw, gate[:, :32]), "gate_weight"),
+    ]
+    for (a, r, w, g), name in bad:
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            rms_norm_router_topk(a, r, w, 1e-6, g, 4, True, counter)
+    weights, ids, normed, total = rms_norm_router_topk(
+        x[:0], x[:0], nw, 1e-6, gate, 4, True, counter
+    )
+    assert weights.shape == ids.shape == (0, 4)
+    assert normed.shape == total.shape == (0, 64)
     assert counter.item() == 0

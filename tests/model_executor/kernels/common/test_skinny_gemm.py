@@ -1,10 +1,13 @@
-"""The decode-size GEMM against ``x.float() @ w.float().T`` (rounded once)."""
+"""The decode-size GEMM against ``x.float() @ w.float().T`` (rounded once),
+also with the residual add and RMSNorm in its prologue."""
 
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_reference
 from vllm.model_executor.kernels.common.skinny_gemm import (
     SKINNY_MAX_ROWS,
+    rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_applies,
     skinny_gemm_reference,
@@ -59,3 +62,53 @@ def test_bad_arguments_are_named(device):
         skinny_gemm(torch.randn(2, 32, device=device).bfloat16(), w[0, 0])
     with pytest.raises(ValueError, match="block_k: expected"):
         skinny_gemm(torch.randn(2, 32, device=device).bfloat16(), w, block_k=48)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (2, 17, 80), (1, 3, 2048)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_prologue_equals_the_norm_kernel_then_the_gemm(
+    device, m, n, k, with_residual
+):
+    """``rms_norm_skinny_gemm`` against ``rms_norm`` then ``skinny_gemm``
+    (the kernels round alike) and the fp32 reference: several programs, K
+    steps that do not divide K; the sum is written once, by program 0, and
+    the residual left as it was."""
+    torch.manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16) * 3
+    residual = torch.randn_like(x) if with_residual else None
+    before = None if residual is None else residual.clone()
+    norm_weight = (torch.rand(k, device=device) + 0.5).bfloat16()
+    weight = torch.randn(n + 5, k, device=device, dtype=torch.bfloat16)[:n]
+    out, total = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, weight, 32)
+    normed, expected_total = rms_norm(x, norm_weight, 1e-6, residual)
+    if residual is None:
+        assert total is x
+    else:
+        assert expected_total is not None and torch.equal(total, expected_total)
+        assert before is not None and torch.equal(residual, before)
+    # the fp32 sums of squares run in another order: a normalized value may
+    # round one bf16 step apart
+    torch.testing.assert_close(
+        out, skinny_gemm(normed, weight, 32), atol=5e-2, rtol=2e-2
+    )
+    ref_normed, _ = rms_norm_reference(x, norm_weight, 1e-6, residual)
+    ref = skinny_gemm_reference(ref_normed, weight)
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=3e-2)
+
+
+def test_norm_prologue_bad_arguments_are_named(device):
+    x = torch.randn(1, 32, device=device).bfloat16()
+    w = torch.randn(8, 32, device=device).bfloat16()
+    nw = torch.ones(32, device=device).bfloat16()
+    with pytest.raises(ValueError, match=r"^residual: expected"):
+        rms_norm_skinny_gemm(x, x[:, :16], nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"^residual: expected"):
+        rms_norm_skinny_gemm(x, x.float(), nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected"):
+        rms_norm_skinny_gemm(x, x, nw[:16], 1e-6, w)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected"):
+        rms_norm_skinny_gemm(x, x, nw.float(), 1e-6, w)
+    with pytest.raises(ValueError, match=r"^weight: expected"):
+        rms_norm_skinny_gemm(x, x, nw, 1e-6, w[:, :16])
+    out, total = rms_norm_skinny_gemm(x[:0], x[:0], nw, 1e-6, w)
+    assert out.shape == (0, 8) and total.shape == (0, 32)

@@ -21,6 +21,7 @@ from tests.model_executor.layers.fused_moe.utils import (
     random_weights,
     relative_error,
 )
+from vllm.model_executor.kernels.common.rms_norm import rms_norm_reference
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     QuantScheme,
@@ -130,6 +131,57 @@ def test_routing_by_the_gate_weight_equals_routing_by_its_logits(
     expected = f"gate_weight: expected [{moe.num_experts}, {moe.hidden_size}]"
     with pytest.raises(ValueError, match=re.escape(expected)):
         layer(x, gate_weight=gate[:, :-8])
+
+
+def test_the_normed_forward_equals_the_norm_then_the_layer(workspace_init, device):
+    """``forward_normed``: the residual add and RMSNorm taken into the layer
+    (on a GPU at 1 token inside the router's kernel, at 2 and 5 the norm's
+    kernel first) give the layer's output on the normalized rows and the
+    sum, a new tensor, with the residual left as it was."""
+    moe = moe_config(device, experts_per_token=4)
+    layer = make_layer(moe, device, seed=9)
+    gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
+    gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)
+    norm_weight = torch.rand(moe.hidden_size, device=device).to(moe.in_dtype) + 0.5
+    for tokens in (1, 2, 5):
+        x, residual = (
+            torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
+            for _ in range(2)
+        )
+        before = residual.clone()
+        out, total = layer.forward_normed(x, residual, norm_weight, 1e-6, gate)
+        normed, expected_total = rms_norm_reference(x, norm_weight, 1e-6, residual)
+        assert torch.equal(residual, before)
+        assert expected_total is not None and torch.equal(total, expected_total)
+        # (the kernels' fp32 sums may round a normalized value one bf16 step apart)
+        expected = layer(normed, gate_weight=gate)
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    x = x[:1]
+    expected_msg = f"gate_weight: expected [{moe.num_experts}, {moe.hidden_size}]"
+    with pytest.raises(ValueError, match=re.escape(expected_msg)):
+        layer.forward_normed(x, x, norm_weight, 1e-6, gate[:, :-8])
+    with pytest.raises(ValueError, match=r"^residual: expected"):
+        layer.forward_normed(x, x[:, :-8], norm_weight, 1e-6, gate)
+
+
+def test_opcheck_the_layer_ops(workspace_init, device):
+    moe = moe_config(device, experts_per_token=4)
+    layer = make_layer(moe, device, seed=10)
+    gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
+    gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)
+    norm_weight = torch.rand(moe.hidden_size, device=device).to(moe.in_dtype) + 0.5
+    for tokens in (1, 3):
+        x, residual = (
+            torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
+            for _ in range(2)
+        )
+        torch.library.opcheck(
+            torch.ops.vllm.moe_forward.default, (x, None, gate, layer.layer_name)
+        )
+        torch.library.opcheck(
+            torch.ops.vllm.moe_forward_normed.default,
+            (x, residual, norm_weight, 1e-6, gate, layer.layer_name),
+        )
 
 
 def test_eight_layers_four_slots_four_scratches(device):

@@ -29,6 +29,36 @@ def check_contiguous(
         )
 
 
+def check_norm_operands(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+) -> None:
+    """Raise naming ``residual`` or ``norm_weight`` unless they fit an
+    RMSNorm of ``x + residual`` over ``x``'s last dim: ``residual`` of
+    ``x``'s shape and dtype with unit stride there, the weight of its width,
+    all on ``x``'s device."""
+    if residual is not None and (
+        residual.shape != x.shape
+        or residual.dtype != x.dtype
+        or residual.stride(-1) != 1
+        or residual.device != x.device
+    ):
+        raise arg_error(
+            "residual", f"{x.dtype} {list(x.shape)} on {x.device} with unit stride "
+            f"along the last dim, got {residual.dtype} {list(residual.shape)} on "
+            f"{residual.device} (strides {residual.stride()})",
+        )  # fmt: skip
+    width = x.shape[-1:]
+    if (
+        norm_weight.shape != width
+        or norm_weight.dtype != x.dtype
+        or norm_weight.device != x.device
+    ):
+        raise arg_error(
+            "norm_weight", f"{x.dtype} {list(width)} on {x.device}, got "
+            f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device}",
+        )  # fmt: skip
+
+
 def check_tma_rows(name: str, t: torch.Tensor, multiple: int = 1) -> None:
     """Raise naming ``name`` unless ``t`` [..., K] starts 16-byte aligned
     with rows of a positive multiple of 16 bytes (TMA boxes) and K a

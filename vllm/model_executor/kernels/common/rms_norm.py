@@ -20,12 +20,14 @@ from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 @triton.jit
 def _rms_norm_kernel(
     out_ptr,
-    residual_ptr,  # read, then overwritten with x + residual (HAS_RESIDUAL)
+    sum_ptr,  # x + residual (HAS_RESIDUAL)
+    residual_ptr,
     x_ptr,
     weight_ptr,
     cols,
     eps,
     stride_out,
+    stride_sum,
     stride_res,
     stride_x,
     HAS_RESIDUAL: tl.constexpr,
@@ -42,7 +44,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + row * stride_res + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(residual_ptr + row * stride_res + offs, x, mask=mask)
+        tl.store(sum_ptr + row * stride_sum + offs, x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, 0) / cols + eps)
     normed = (x32 * rstd).to(dtype).to(tl.float32)
@@ -56,8 +58,8 @@ def rms_norm(
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``weight * norm(x + residual)`` over the last dim of ``x`` [R, C];
-    returns it and ``x + residual``, written into ``residual`` (None
-    without one)."""
+    returns it and ``x + residual`` (a new tensor; None without
+    ``residual``)."""
     if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"x/weight: expected [rows, C] with unit column stride and [C], got "
@@ -73,24 +75,27 @@ def rms_norm(
             f"got {residual.dtype} {tuple(residual.shape)}"
         )
     out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(out)
     if x.shape[0]:
         launch_pdl = pdl(x.device)
         _rms_norm_kernel[(x.shape[0],)](
             out,
-            x if residual is None else residual,
+            total,
+            residual,
             x,
             weight,
             x.shape[1],
             eps,
             out.stride(0),
-            x.stride(0) if residual is None else residual.stride(0),
+            out.stride(0),
+            0 if residual is None else residual.stride(0),
             x.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK=triton.next_power_of_2(x.shape[1]),
             PDL=launch_pdl,
             launch_pdl=launch_pdl,
         )
-    return out, residual
+    return out, total
 
 
 def rms_norm_reference(
@@ -99,8 +104,7 @@ def rms_norm_reference(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kernel's oracle and CPU path (returns a new sum, leaving
-    ``residual`` as it was)."""
+    """The kernel's oracle and CPU path."""
     if residual is not None:
         x = residual = x + residual
     x32 = x.float()

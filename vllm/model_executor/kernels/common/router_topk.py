@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.kernels.common.checks import arg_error
+from vllm.model_executor.kernels.common.checks import arg_error, check_norm_operands
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.skinny_gemm import (
     check_skinny_operands,
@@ -60,10 +60,17 @@ def _router_topk_kernel(
     counter_ptr,  # [1] int32, zero
     weights_ptr,  # [TOPK] fp32
     ids_ptr,  # [TOPK] int32
+    res_ptr,  # NORM: [1, K] residual
+    norm_w_ptr,  # NORM: [K]
+    sum_ptr,  # NORM: [1, K] out, x + residual
+    normed_ptr,  # NORM: [1, K] out, rms_norm(x + residual), the routed row
     num_experts,
     K,
     stride_xm,
     stride_wn,
+    stride_rm,
+    eps,
+    NORM: tl.constexpr,
     TOPK: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -76,6 +83,7 @@ def _router_topk_kernel(
     logits = skinny_tile(
         x_ptr, w_ptr, 1, num_experts, K, stride_xm, stride_wn, cols,
         1, BLOCK_N, BLOCK_K, PDL,
+        res_ptr, norm_w_ptr, sum_ptr, normed_ptr, stride_rm, eps, NORM, NORM, NORM,
     )  # fmt: skip
     tl.store(
         logits_ptr + cols[None, :],
@@ -103,6 +111,38 @@ def router_topk(
     """``(weights fp32 [M, topk], ids int32 [M, topk])`` of the token ``x``
     [M <= 1, K] (16-bit) under the router ``gate_weight`` [E, K], largest
     first; ``counter``: an int32 zero on ``x``'s device, left zero."""
+    return _launch(x, gate_weight, topk, renormalize, counter, None)
+
+
+def rms_norm_router_topk(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`router_topk` of ``rms_norm(x + residual)`` with the residual
+    add and the norm in the same launch (every program normalizes the row
+    itself): ``(weights, ids, the normalized row, x + residual)``."""
+    check_norm_operands(x, residual, norm_weight)
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    total = torch.empty_like(normed)
+    norm = (residual, norm_weight, total, normed, eps)
+    weights, ids = _launch(x, gate_weight, topk, renormalize, counter, norm)
+    return weights, ids, normed, total
+
+
+def _launch(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    counter: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 2 and x.shape[0] > 1:
         raise arg_error("x", f"at most one row, got {x.shape[0]}")
     check_skinny_operands(x, gate_weight, "gate_weight")
@@ -121,13 +161,16 @@ def router_topk(
         )  # fmt: skip
     weights = torch.empty(m, topk, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, topk, dtype=torch.int32, device=x.device)
+    residual, norm_weight, total, normed, eps = norm or (None, None, None, None, 0.0)
     if m:
         logits = torch.empty(num_experts, dtype=torch.float32, device=x.device)
         block_e, chunk = route_block_sizes(num_experts)
         launch_pdl = pdl(x.device)
         _router_topk_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
             x, gate_weight, logits, counter, weights, ids,
+            residual, norm_weight, total, normed,
             num_experts, k, x.stride(0), gate_weight.stride(0),
+            0 if residual is None else residual.stride(0), eps, NORM=norm is not None,
             TOPK=topk, RENORMALIZE=renormalize, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
             BLOCK_E=block_e, CHUNK=chunk, PDL=launch_pdl, num_warps=4,
             launch_pdl=launch_pdl,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.kernels.common.checks import arg_error
+from vllm.model_executor.kernels.common.checks import arg_error, check_norm_operands
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 4 x 1024 fp32
@@ -51,6 +51,51 @@ def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -
 
 
 @triton.jit
+def _x_chunk(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    sum_ptr,  # [M, K]: x + residual (program 0 writes it)
+    normed_ptr,  # [M, K]: the normalized rows (program 0, STORE_NORMED)
+    rows,
+    offs_k,
+    M,
+    K,
+    stride_xm,
+    stride_rm,
+    rstd,  # [BLOCK_M] fp32 (NORM)
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
+):
+    """Columns ``offs_k`` of the GEMM's input: the rows of ``x``, or with
+    ``NORM`` those of ``x + residual``, normalized once ``rstd`` is given
+    (as :func:`~.rms_norm.rms_norm` rounds them); with ``rstd`` program 0
+    also writes the sum and (``STORE_NORMED``) the normalized rows."""
+    mask = (rows < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0
+    )
+    if NORM:
+        dtype = x.dtype
+        store = mask & (rows * 0 + tl.program_id(0) == 0)[:, None]  # program 0
+        out_offs = rows[:, None] * K + offs_k[None, :]
+        if HAS_RESIDUAL:
+            res_ptrs = res_ptr + rows[:, None] * stride_rm + offs_k[None, :]
+            res = tl.load(res_ptrs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            if rstd is not None:
+                tl.store(sum_ptr + out_offs, x, mask=store)
+        if rstd is not None:
+            weight = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
+            x = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+            x = (x * weight.to(tl.float32)[None, :]).to(dtype)
+            if STORE_NORMED:
+                tl.store(normed_ptr + out_offs, x, mask=store)
+    return x
+
+
+@triton.jit
 def skinny_tile(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -64,25 +109,48 @@ def skinny_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    res_ptr,  # NORM and HAS_RESIDUAL: [M, K] residual, read only
+    norm_w_ptr,  # NORM: [K] the RMSNorm's weight
+    sum_ptr,  # NORM and HAS_RESIDUAL: [M, K] out, x + residual
+    normed_ptr,  # STORE_NORMED: [M, K] out, the normalized rows
+    stride_rm,
+    eps,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` times weight rows ``cols``.
-    Waits for the previous kernel (:func:`~.pdl.pdl_wait`) after loading
-    the first weight tile, before it reads ``x``."""
+    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` (with ``NORM``: of
+    ``rms_norm(x + residual)``, which program 0 also writes out) times
+    weight rows ``cols``. Waits for the previous kernel
+    (:func:`~.pdl.pdl_wait`) after loading the first weight tile, before it
+    reads ``x``."""
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     col_ok = (cols < N)[:, None]
     # Each step loads the next step's weights (masked off past K): the
     # first tile streams while the previous kernel finishes
     w = tl.load(w_ptrs, mask=col_ok & (offs_k < K)[None, :], other=0.0)
     pdl_wait(PDL)
+    rstd = None
+    if NORM:
+        # 1/rms first: a pass over the (cached) rows before the products
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            s = _x_chunk(
+                x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
+                M, K, stride_xm, stride_rm, None, NORM, HAS_RESIDUAL, False,
+            ).to(tl.float32)  # fmt: skip
+            squares += s * s
+        rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
     # Products accumulate per K lane, reduced once at the end (a reduction
     # per step would shuffle between threads after every load)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        in_k = (offs_k + k < K)[None, :]
-        x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & in_k, other=0.0)
+        x = _x_chunk(
+            x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
+            M, K, stride_xm, stride_rm, rstd, NORM, HAS_RESIDUAL, STORE_NORMED,
+        )  # fmt: skip
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         next_k = (offs_k + k + BLOCK_K < K)[None, :]
         w = tl.load(w_ptrs + k + BLOCK_K, mask=col_ok & next_k, other=0.0)
@@ -94,21 +162,30 @@ def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     out_ptr,  # [M, N]
+    res_ptr,
+    norm_w_ptr,
+    sum_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_rm,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = skinny_tile(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+        res_ptr, norm_w_ptr, sum_ptr, None, stride_rm, eps,
+        NORM, HAS_RESIDUAL, False,
     )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * N + cols[None, :],
@@ -153,28 +230,54 @@ def skinny_gemm(
     16-bit dtype (fp32 accumulation), both with unit stride along K;
     ``block_k`` is the K step (tests take small ones)."""
     check_skinny_operands(x, weight)
+    return _launch(x, weight, block_k, None)
+
+
+def rms_norm_skinny_gemm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    block_k: int = _BLOCK_K,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch:
+    every program normalizes the rows itself before its products (a
+    decoder layer's residual add and norm cost no launch of their own).
+    The norm rounds as :func:`~.rms_norm.rms_norm`; the sum is a new tensor
+    (``x`` itself without ``residual``)."""
+    check_skinny_operands(x, weight)
+    check_norm_operands(x, residual, norm_weight)
+    total = (
+        x
+        if residual is None
+        else torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
+    norm = (residual, norm_weight, total, eps)
+    return _launch(x, weight, block_k, norm), total
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_k: int,
+    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
+) -> torch.Tensor:
     if block_k < 16 or block_k & (block_k - 1):
         raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
     (m, k), n = x.shape, weight.shape[0]
+    residual, norm_weight, total, eps = norm or (None, None, None, 0.0)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
         launch_pdl = pdl(x.device)
         _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
-            x,
-            weight,
-            out,
-            m,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            BLOCK_M=triton.next_power_of_2(m),
-            BLOCK_N=_BLOCK_N,
-            BLOCK_K=block_k,
-            PDL=launch_pdl,
-            num_warps=4,
-            launch_pdl=launch_pdl,
-        )
+            x, weight, out, residual, norm_weight, total,
+            m, n, k, x.stride(0), weight.stride(0),
+            0 if residual is None else residual.stride(0), eps,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
+            PDL=launch_pdl, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+            num_warps=4, launch_pdl=launch_pdl,
+        )  # fmt: skip
     return out
 
 

@@ -1,7 +1,9 @@
 """``FusedMoE``: an MoE layer whose forward runs as an opaque runtime op.
 
 ``forward`` calls ``torch.ops.vllm.moe_forward(hidden, logits, gate_weight,
-layer_name)`` (routing by the router's logits or by its weight);
+layer_name)`` (routing by the router's logits or by its weight), and
+``forward_normed`` ``moe_forward_normed`` (the decoder's residual add and
+norm first, in the router's kernel where one token allows);
 under ``torch.compile`` that op is a leaf with a fake implementation, so every
 workspace, scratch and lock lookup inside the experts happens at execution
 time, in whichever slot and stream the call runs.
@@ -25,6 +27,7 @@ from torch import nn
 
 from vllm.distributed import GroupCoordinator
 from vllm.logger import init_logger
+from vllm.model_executor.kernels.common.checks import check_norm_operands
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.fused_humming_moe import (
@@ -49,7 +52,11 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import (
     check_all2all_backend,
     make_prepare_finalize,
 )
-from vllm.model_executor.layers.fused_moe.routing import fused_topk, gated_topk
+from vllm.model_executor.layers.fused_moe.routing import (
+    fused_topk,
+    gated_topk,
+    rms_norm_gated_topk,
+)
 from vllm.model_executor.utils import copy_tensors_in_place
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -330,20 +337,69 @@ class FusedMoE(nn.Module):
             hidden_states, router_logits, gate_weight, self.layer_name
         )
 
+    def forward_normed(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        gate_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(rms_norm(hidden_states + residual)), hidden_states +
+        residual)``: a decoder layer's residual add and post-attention norm
+        taken into the layer, where at one token on a GPU they run inside
+        the router's kernel (:func:`~.routing.rms_norm_gated_topk`)."""
+        return torch.ops.vllm.moe_forward_normed(
+            hidden_states, residual, norm_weight, norm_eps, gate_weight,
+            self.layer_name,
+        )  # fmt: skip
+
     def forward_impl(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         gate_weight: torch.Tensor | None,
     ) -> torch.Tensor:
+        self._check_loaded()
+        topk_weights, topk_ids = self._route(hidden_states, router_logits, gate_weight)
+        assert self.kernel is not None
+        return self.kernel.forward(
+            hidden_states, topk_weights, topk_ids, self.expert_map
+        )
+
+    def forward_normed_impl(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        gate_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_loaded()
+        self._check_gate(gate_weight, hidden_states.shape[-1])
+        check_norm_operands(hidden_states, residual, norm_weight)
+        topk_weights, topk_ids, normed, total = rms_norm_gated_topk(
+            hidden_states, residual, norm_weight, norm_eps, gate_weight,
+            self.moe.experts_per_token, self.renormalize,
+        )  # fmt: skip
+        assert self.kernel is not None
+        out = self.kernel.forward(normed, topk_weights, topk_ids, self.expert_map)
+        return out, total
+
+    def _check_loaded(self) -> None:
         if self.kernel is None:
             raise RuntimeError(
                 f"{self.layer_name}: call process_weights_after_loading() first"
             )
-        topk_weights, topk_ids = self._route(hidden_states, router_logits, gate_weight)
-        return self.kernel.forward(
-            hidden_states, topk_weights, topk_ids, self.expert_map
-        )
+
+    def _check_gate(self, gate_weight: torch.Tensor, hidden: int) -> None:
+        # Another width would route among the wrong experts silently.
+        if gate_weight.shape != (self.moe.num_experts, hidden):
+            raise ValueError(
+                f"gate_weight: expected [{self.moe.num_experts}, {hidden}] (global "
+                f"experts, hidden) for {self.layer_name}, got "
+                f"{list(gate_weight.shape)}"
+            )
 
     def _route(
         self,
@@ -359,14 +415,8 @@ class FusedMoE(nn.Module):
                 f"router_logits/gate_weight: expected one of them for "
                 f"{self.layer_name}, got {given}"
             )
-        # Another width would route among the wrong experts silently.
         if gate_weight is not None:
-            if gate_weight.shape != (num_experts, hidden):
-                raise ValueError(
-                    f"gate_weight: expected [{num_experts}, {hidden}] (global "
-                    f"experts, hidden) for {self.layer_name}, got "
-                    f"{list(gate_weight.shape)}"
-                )
+            self._check_gate(gate_weight, hidden)
             return gated_topk(hidden_states, gate_weight, topk, self.renormalize)
         assert router_logits is not None
         if router_logits.shape != (num_tokens, num_experts):
@@ -416,3 +466,40 @@ def _moe_forward_fake(
 
 _lib.impl("moe_forward", _moe_forward, "CompositeExplicitAutograd")
 torch.library.register_fake("vllm::moe_forward", _moe_forward_fake, lib=_lib)
+
+_lib.define(
+    "moe_forward_normed(Tensor hidden_states, Tensor residual, Tensor norm_weight, "
+    "float norm_eps, Tensor gate_weight, str layer_name) -> (Tensor, Tensor)"
+)
+
+
+def _moe_forward_normed(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gate_weight: torch.Tensor,
+    layer_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_moe_layer(layer_name).forward_normed_impl(
+        hidden_states, residual, norm_weight, norm_eps, gate_weight
+    )
+
+
+def _moe_forward_normed_fake(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gate_weight: torch.Tensor,
+    layer_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return hidden_states.new_empty(hidden_states.shape), residual.new_empty(
+        residual.shape
+    )
+
+
+_lib.impl("moe_forward_normed", _moe_forward_normed, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "vllm::moe_forward_normed", _moe_forward_normed_fake, lib=_lib
+)

@@ -7,7 +7,9 @@ from torch.nn import functional as F
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.pdl import pdl
+from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_reference
 from vllm.model_executor.kernels.common.router_topk import (
+    rms_norm_router_topk,
     router_topk,
     router_topk_applies,
 )
@@ -65,11 +67,7 @@ def gated_topk(
         counter = get_lock_buffer("router_topk", 1, hidden_states.device)
         rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
         dtype = hidden_states.dtype
-        fits = (
-            hidden_states.stride(-1) == gate_weight.stride(-1) == 1
-            and gate_weight.dtype == dtype
-            and gate_weight.device == hidden_states.device
-        )
+        fits = _router_fits(hidden_states, gate_weight)
         if fits and router_topk_applies(rows, num_experts, dtype):
             return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
         with_pdl = pdl(hidden_states.device)
@@ -78,3 +76,43 @@ def gated_topk(
             return fused_topk(hidden_states, logits, topk, renormalize)
     logits = F.linear(hidden_states, gate_weight)
     return fused_topk(hidden_states, logits, topk, renormalize)
+
+
+def _router_fits(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    """Whether the router's own kernels take these operands' layouts."""
+    return (
+        hidden_states.stride(-1) == gate_weight.stride(-1) == 1
+        and gate_weight.dtype == hidden_states.dtype
+        and gate_weight.device == hidden_states.device
+    )
+
+
+def rms_norm_gated_topk(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gated_topk` of ``rms_norm(hidden_states + residual)``: ``(topk
+    weights, topk ids, the normalized rows, hidden_states + residual)``. On
+    a GPU at one token the add and the norm run inside the router's kernel
+    (``rms_norm_router_topk``: a decoder layer's post-attention norm costs
+    no launch); otherwise the norm's kernel (its reference on CPU) first."""
+    if runs_gpu_kernels(hidden_states):
+        rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
+        if _router_fits(hidden_states, gate_weight) and router_topk_applies(
+            rows, num_experts, hidden_states.dtype
+        ):
+            counter = get_lock_buffer("router_topk", 1, hidden_states.device)
+            return rms_norm_router_topk(
+                hidden_states, residual, norm_weight, eps, gate_weight, topk,
+                renormalize, counter,
+            )  # fmt: skip
+        normed, total = rms_norm(hidden_states, norm_weight, eps, residual)
+    else:
+        normed, total = rms_norm_reference(hidden_states, norm_weight, eps, residual)
+    assert total is not None
+    return (*gated_topk(normed, gate_weight, topk, renormalize), normed, total)
