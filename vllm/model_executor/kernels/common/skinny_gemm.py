@@ -51,34 +51,47 @@ def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -
 
 
 @triton.jit
-def _rows_chunk(
+def _x_chunk(
     x_ptr,
     res_ptr,
-    sum_ptr,  # [M, K] out: x + residual (STORE_SUM, program 0 only)
+    norm_w_ptr,
+    sum_ptr,  # [M, K]: x + residual (program 0 writes it)
+    normed_ptr,  # [M, K]: the normalized rows (program 0, STORE_NORMED)
     rows,
     offs_k,
     M,
     K,
     stride_xm,
     stride_rm,
+    rstd,  # [BLOCK_M] fp32 (NORM)
+    NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    STORE_SUM: tl.constexpr,
+    STORE_NORMED: tl.constexpr,
 ):
-    """Columns ``offs_k`` of the rows of ``x`` (+ ``residual``, rounded to
-    ``x``'s dtype as :func:`~.rms_norm.rms_norm` rounds it)."""
+    """Columns ``offs_k`` of the GEMM's input: the rows of ``x``, or with
+    ``NORM`` those of ``x + residual``, normalized once ``rstd`` is given
+    (as :func:`~.rms_norm.rms_norm` rounds them); with ``rstd`` program 0
+    also writes the sum and (``STORE_NORMED``) the normalized rows."""
     mask = (rows < M)[:, None] & (offs_k < K)[None, :]
     x = tl.load(
         x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0
     )
-    if HAS_RESIDUAL:
-        res_ptrs = res_ptr + rows[:, None] * stride_rm + offs_k[None, :]
-        res = tl.load(res_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-        if STORE_SUM:
-            first = (rows * 0 + tl.program_id(0) == 0)[:, None]
-            tl.store(
-                sum_ptr + rows[:, None] * K + offs_k[None, :], x, mask=mask & first
-            )
+    if NORM:
+        dtype = x.dtype
+        store = mask & (rows * 0 + tl.program_id(0) == 0)[:, None]  # program 0
+        out_offs = rows[:, None] * K + offs_k[None, :]
+        if HAS_RESIDUAL:
+            res_ptrs = res_ptr + rows[:, None] * stride_rm + offs_k[None, :]
+            res = tl.load(res_ptrs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            if rstd is not None:
+                tl.store(sum_ptr + out_offs, x, mask=store)
+        if rstd is not None:
+            weight = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
+            x = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+            x = (x * weight.to(tl.float32)[None, :]).to(dtype)
+            if STORE_NORMED:
+                tl.store(normed_ptr + out_offs, x, mask=store)
     return x
 
 
@@ -106,18 +119,11 @@ def skinny_tile(
     HAS_RESIDUAL: tl.constexpr,
     STORE_NORMED: tl.constexpr,
 ):
-    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` times weight rows
-    ``cols``; with ``NORM`` the rows of ``rms_norm(x + residual)``, whose
-    sum (and with ``STORE_NORMED`` the normalized rows, rounded as
-    :func:`~.rms_norm.rms_norm` rounds them) program 0 writes out. Waits
-    for the previous kernel (:func:`~.pdl.pdl_wait`) after loading the
-    first weight tile, before it reads ``x``.
-
-    The norm costs one pass: the products take ``(x + residual) * weight``
-    and the sum of squares accumulates beside them; the rows' 1/rms scales
-    the dot products at the end (the products thus see the normalized rows
-    before their two roundings to 16 bits: closer to exact, not bitwise the
-    unfused path)."""
+    """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` (with ``NORM``: of
+    ``rms_norm(x + residual)``, which program 0 also writes out) times
+    weight rows ``cols``. Waits for the previous kernel
+    (:func:`~.pdl.pdl_wait`) after loading the first weight tile, before it
+    reads ``x``."""
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -126,65 +132,29 @@ def skinny_tile(
     # first tile streams while the previous kernel finishes
     w = tl.load(w_ptrs, mask=col_ok & (offs_k < K)[None, :], other=0.0)
     pdl_wait(PDL)
+    rstd = None
+    if NORM:
+        # 1/rms first: a pass over the (cached) rows before the products
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            s = _x_chunk(
+                x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
+                M, K, stride_xm, stride_rm, None, NORM, HAS_RESIDUAL, False,
+            ).to(tl.float32)  # fmt: skip
+            squares += s * s
+        rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
     # Products accumulate per K lane, reduced once at the end (a reduction
     # per step would shuffle between threads after every load)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = _rows_chunk(
-            x_ptr, res_ptr, sum_ptr, rows, offs_k + k, M, K, stride_xm, stride_rm,
-            HAS_RESIDUAL, NORM,
-        ).to(tl.float32)  # fmt: skip
-        if NORM:
-            squares += x * x
-            norm_w = tl.load(norm_w_ptr + offs_k + k, mask=offs_k + k < K, other=0.0)
-            x = x * norm_w.to(tl.float32)[None, :]
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        x = _x_chunk(
+            x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
+            M, K, stride_xm, stride_rm, rstd, NORM, HAS_RESIDUAL, STORE_NORMED,
+        )  # fmt: skip
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         next_k = (offs_k + k + BLOCK_K < K)[None, :]
         w = tl.load(w_ptrs + k + BLOCK_K, mask=col_ok & next_k, other=0.0)
-    out = tl.sum(acc, 2)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
-        out = out * rstd[:, None]
-        if STORE_NORMED and tl.program_id(0) == 0:
-            _store_normed(
-                x_ptr, res_ptr, norm_w_ptr, normed_ptr, rows, offs_k, M, K,
-                stride_xm, stride_rm, rstd, BLOCK_K, HAS_RESIDUAL,
-            )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _store_normed(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    normed_ptr,  # [M, K] out
-    rows,
-    offs_k,
-    M,
-    K,
-    stride_xm,
-    stride_rm,
-    rstd,
-    BLOCK_K: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """``rms_norm(x + residual)`` rounded as :func:`~.rms_norm.rms_norm`
-    rounds it (by the rows' ``rstd``)."""
-    for k in range(0, K, BLOCK_K):
-        x = _rows_chunk(
-            x_ptr, res_ptr, None, rows, offs_k + k, M, K, stride_xm, stride_rm,
-            HAS_RESIDUAL, False,
-        )  # fmt: skip
-        norm_w = tl.load(norm_w_ptr + offs_k + k, mask=offs_k + k < K, other=0.0)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-        mask = (rows < M)[:, None] & (offs_k + k < K)[None, :]
-        tl.store(
-            normed_ptr + rows[:, None] * K + (offs_k + k)[None, :],
-            (normed * norm_w.to(tl.float32)[None, :]).to(x.dtype),
-            mask=mask,
-        )
+    return tl.sum(acc, 2)
 
 
 @triton.jit
