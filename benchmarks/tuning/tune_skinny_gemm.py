@@ -98,7 +98,11 @@ def sweep(layer: str, rows: int, copy_gbps: float, fused: bool) -> None:
         return f"    {name:<18} {us:7.2f} us  {frac:5.0%} of copy"
 
     print(f"{layer} {n}x{k} M={rows}{' norm prologue' if fused else ''}:")
-    shipped = str((sg._BLOCK_N, sg._BLOCK_K, 4))
+    shipped = str(
+        (sg._NORM_BLOCK_N, sg._NORM_BLOCK_K, 4)
+        if fused
+        else (sg._BLOCK_N, sg._BLOCK_K, 4)
+    )
     if shipped in times:
         print(line(f"shipped {shipped}", times[shipped]))
     ranked = sorted((t, c) for c, t in times.items() if c != "cublas")

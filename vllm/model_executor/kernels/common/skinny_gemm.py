@@ -37,6 +37,9 @@ SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
 # 7.8 us at 5120 rows
 SKINNY_MAX_N_ONE_ROW = 5120
 _BLOCK_N, _BLOCK_K = 4, 1024
+# with the norm in the prologue (q/k/v, 5120 x 2048, at one row): 8.7 against
+# 9.5 us at 4 x 1024 (``tune_skinny_gemm.py --fused``, H200)
+_NORM_BLOCK_N, _NORM_BLOCK_K = 8, 512
 
 
 def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -> bool:
@@ -230,7 +233,7 @@ def skinny_gemm(
     16-bit dtype (fp32 accumulation), both with unit stride along K;
     ``block_k`` is the K step (tests take small ones)."""
     check_skinny_operands(x, weight)
-    return _launch(x, weight, block_k, None)
+    return _launch(x, weight, _BLOCK_N, block_k, None)
 
 
 def rms_norm_skinny_gemm(
@@ -239,7 +242,7 @@ def rms_norm_skinny_gemm(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
-    block_k: int = _BLOCK_K,
+    block_k: int = _NORM_BLOCK_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch:
     every program normalizes the rows itself before its products (a
@@ -254,12 +257,13 @@ def rms_norm_skinny_gemm(
         else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     norm = (residual, norm_weight, total, eps)
-    return _launch(x, weight, block_k, norm), total
+    return _launch(x, weight, _NORM_BLOCK_N, block_k, norm), total
 
 
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
+    block_n: int,
     block_k: int,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
 ) -> torch.Tensor:
@@ -270,11 +274,11 @@ def _launch(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
         launch_pdl = pdl(x.device)
-        _skinny_gemm_kernel[(triton.cdiv(n, _BLOCK_N),)](
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, residual, norm_weight, total,
             m, n, k, x.stride(0), weight.stride(0),
             0 if residual is None else residual.stride(0), eps,
-            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             PDL=launch_pdl, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
             num_warps=4, launch_pdl=launch_pdl,
         )  # fmt: skip
