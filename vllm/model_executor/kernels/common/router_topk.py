@@ -20,6 +20,10 @@ alone; ``benchmarks/tuning/tune_skinny_gemm.py``). One token only: at
 two, the last program's two routings in series lost to ``skinny_gemm``
 then ``topk_softmax`` (one program per token), 48.7 against 47.0 us for
 the whole bf16 layer (``benchmark_moe_decode``).
+
+``rms_norm_router_topk`` routes ``rms_norm(x + residual)`` with the add and
+the norm in the GEMM's prologue (:func:`~.skinny_gemm.skinny_tile`);
+program 0 writes the sum and the normalized row, which the experts read.
 """
 
 from __future__ import annotations
