@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.kernels.common.checks import check_norm_operands
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.skinny_gemm import (
@@ -59,6 +60,7 @@ def rms_norm_linear(
     residual add, norm and first GEMM. One kernel where ``skinny_gemm``
     takes the product (``rms_norm_skinny_gemm``: q/k/v at one token), else
     the norm's kernel, then the linear."""
+    check_norm_operands(x, residual, norm.weight)
     if isinstance(linear, UnquantizedLinear) and linear._skinny(x, x.shape[0]):
         return rms_norm_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight)
     if residual is None:

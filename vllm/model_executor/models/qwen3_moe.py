@@ -311,8 +311,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's output is ``hidden + residual`` (returned apart, so
-        that the next norm adds them in its own kernel)."""
+        """The layer's output is ``hidden + residual``, returned apart: the
+        next layer's norm adds them in its kernel, or at one token in the
+        prologue of its q/k/v GEMM (as this layer's MLP block does for the
+        post-attention norm)."""
         qkv, residual = rms_norm_linear(
             self.input_layernorm, self.self_attn.qkv_proj, hidden, residual
         )

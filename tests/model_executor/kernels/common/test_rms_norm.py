@@ -32,11 +32,13 @@ def test_matches_reference_with_and_without_residual(device, dtype, rows, cols):
 def test_strided_rows_and_the_residual_left_as_it_was(device):
     torch.manual_seed(0)
     x = torch.randn(5, 80, device=device)[:, :48]  # rows 80 apart
-    weight, residual = torch.randn(48, device=device), torch.randn(5, 48, device=device)
+    weight = torch.randn(48, device=device)
+    residual = torch.randn(5, 56, device=device)[:, 8:]  # rows 56 apart
     before = residual.clone()
-    _, total = rms_norm(x, weight, 1e-5, residual)
+    out, total = rms_norm(x, weight, 1e-5, residual)
     assert total is not None and total.data_ptr() != residual.data_ptr()
     torch.testing.assert_close(total, x + residual)
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5, residual)[0])
     assert torch.equal(residual, before)
 
 
@@ -44,6 +46,8 @@ def test_bad_shapes_are_named(device):
     x = torch.randn(4, 16, device=device)
     with pytest.raises(ValueError, match="x/weight: expected"):
         rms_norm(x, torch.ones(8, device=device), 1e-6)
+    with pytest.raises(ValueError, match="x/weight: expected"):
+        rms_norm(x, torch.ones(32, device=device)[::2], 1e-6)  # strided weight
     with pytest.raises(ValueError, match="residual: expected"):
         rms_norm(
             x, torch.ones(16, device=device), 1e-6, torch.randn(4, 8, device=device)

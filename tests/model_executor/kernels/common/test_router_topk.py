@@ -67,13 +67,16 @@ def test_no_tokens_and_bad_arguments(device):
     assert counter.item() == 0
 
 
-@pytest.mark.parametrize(("experts", "hidden", "topk"), [(128, 2048, 8), (20, 96, 3)])
+@pytest.mark.parametrize(
+    ("experts", "hidden", "topk"), [(128, 2048, 8), (20, 96, 3), (30, 2100, 4)]
+)
 def test_norm_prologue_routes_the_normalized_row(device, experts, hidden, topk):
     """``rms_norm_router_topk`` against ``rms_norm`` then ``router_topk``:
-    the sum exactly, the normalized row (written by program 0, for the
-    experts) within a bf16 step of the norm's kernel (another fp32 sum
-    order), and the same routing where that row is the same; the
-    residual left as it was and the counter zero."""
+    the sum exactly (one K step, less, and two, the second partial), the
+    normalized row (written by program 0, for the experts) within a bf16
+    step of the norm's kernel (another fp32 sum order), and the same
+    routing where that row is the same; the residual left as it was and the
+    counter zero."""
     torch.manual_seed(experts + hidden)
     x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16) * 2
     residual = torch.randn_like(x)

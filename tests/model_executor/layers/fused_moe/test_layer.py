@@ -21,7 +21,8 @@ from tests.model_executor.layers.fused_moe.utils import (
     random_weights,
     relative_error,
 )
-from vllm.model_executor.kernels.common.rms_norm import rms_norm_reference
+from vllm.model_executor.kernels.common.rms_norm import rms_norm
+from vllm.model_executor.layers.fused_moe import routing
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     QuantScheme,
@@ -133,11 +134,23 @@ def test_routing_by_the_gate_weight_equals_routing_by_its_logits(
         layer(x, gate_weight=gate[:, :-8])
 
 
-def test_the_normed_forward_equals_the_norm_then_the_layer(workspace_init, device):
+def test_the_normed_forward_equals_the_norm_then_the_layer(
+    workspace_init, device, monkeypatch
+):
     """``forward_normed``: the residual add and RMSNorm taken into the layer
-    (on a GPU at 1 token inside the router's kernel, at 2 and 5 the norm's
-    kernel first) give the layer's output on the normalized rows and the
-    sum, a new tensor, with the residual left as it was."""
+    (the GPU dispatch on any device: at 1 token inside the router's kernel,
+    at 2 and 5 the norm's kernel first) give the layer's output on the
+    normalized rows and the sum, a new tensor, with the residual left as it
+    was."""
+    fused: list[int] = []
+    real = routing.rms_norm_router_topk
+
+    def counted(x, *args):
+        fused.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(routing, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(routing, "rms_norm_router_topk", counted)
     moe = moe_config(device, experts_per_token=4)
     layer = make_layer(moe, device, seed=9)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
@@ -150,18 +163,22 @@ def test_the_normed_forward_equals_the_norm_then_the_layer(workspace_init, devic
         )
         before = residual.clone()
         out, total = layer.forward_normed(x, residual, norm_weight, 1e-6, gate)
-        normed, expected_total = rms_norm_reference(x, norm_weight, 1e-6, residual)
+        normed, expected_total = rms_norm(x, norm_weight, 1e-6, residual)
         assert torch.equal(residual, before)
         assert expected_total is not None and torch.equal(total, expected_total)
-        # (the kernels' fp32 sums may round a normalized value one bf16 step apart)
+        # (at 1 token the fp32 sum of squares runs in another order: a
+        # normalized value may round one bf16 step apart)
         expected = layer(normed, gate_weight=gate)
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    assert fused == [1]
     x = x[:1]
     expected_msg = f"gate_weight: expected [{moe.num_experts}, {moe.hidden_size}]"
     with pytest.raises(ValueError, match=re.escape(expected_msg)):
         layer.forward_normed(x, x, norm_weight, 1e-6, gate[:, :-8])
     with pytest.raises(ValueError, match=r"^residual: expected"):
         layer.forward_normed(x, x[:, :-8], norm_weight, 1e-6, gate)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected"):
+        layer.forward_normed(x, x, norm_weight[:-8], 1e-6, gate)
 
 
 def test_opcheck_the_layer_ops(workspace_init, device):

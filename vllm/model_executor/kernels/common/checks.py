@@ -34,8 +34,8 @@ def check_norm_operands(
 ) -> None:
     """Raise naming ``residual`` or ``norm_weight`` unless they fit an
     RMSNorm of ``x + residual`` over ``x``'s last dim: ``residual`` of
-    ``x``'s shape and dtype with unit stride there, the weight of its width,
-    all on ``x``'s device."""
+    ``x``'s shape and dtype with unit stride there, the weight of its width
+    with unit stride, all on ``x``'s device."""
     if residual is not None and (
         residual.shape != x.shape
         or residual.dtype != x.dtype
@@ -52,10 +52,12 @@ def check_norm_operands(
         norm_weight.shape != width
         or norm_weight.dtype != x.dtype
         or norm_weight.device != x.device
+        or norm_weight.stride(-1) != 1
     ):
         raise arg_error(
-            "norm_weight", f"{x.dtype} {list(width)} on {x.device}, got "
-            f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device}",
+            "norm_weight", f"contiguous {x.dtype} {list(width)} on {x.device}, got "
+            f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device} "
+            f"(strides {norm_weight.stride()})",
         )  # fmt: skip
 
 

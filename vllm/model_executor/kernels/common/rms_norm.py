@@ -60,10 +60,16 @@ def rms_norm(
     """``weight * norm(x + residual)`` over the last dim of ``x`` [R, C];
     returns it and ``x + residual`` (a new tensor; None without
     ``residual``)."""
-    if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],):
+    if (
+        x.dim() != 2
+        or x.stride(1) != 1
+        or weight.shape != (x.shape[1],)
+        or weight.stride(0) != 1
+    ):
         raise ValueError(
-            f"x/weight: expected [rows, C] with unit column stride and [C], got "
-            f"{tuple(x.shape)} (strides {x.stride()}) and {tuple(weight.shape)}"
+            f"x/weight: expected [rows, C] with unit column stride and a contiguous "
+            f"[C], got {tuple(x.shape)} (strides {x.stride()}) and "
+            f"{tuple(weight.shape)} (strides {weight.stride()})"
         )
     if residual is not None and (
         residual.shape != x.shape
@@ -87,7 +93,7 @@ def rms_norm(
             x.shape[1],
             eps,
             out.stride(0),
-            out.stride(0),
+            0 if total is None else total.stride(0),
             0 if residual is None else residual.stride(0),
             x.stride(0),
             HAS_RESIDUAL=residual is not None,

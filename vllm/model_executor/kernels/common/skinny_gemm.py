@@ -13,10 +13,11 @@ output projection in 7.6 us at 4 rows x 1024 K per program (8.0 at 8 rows;
 ``benchmarks/tuning/tune_skinny_gemm.py``). For longer weights cuBLAS
 streams as fast or faster on its own (q/k/v, 5120 x 2048: 8.1 vs 8.6 us;
 the head, 151936 x 2048: 149 vs 161 us), but not in a decode step: there
-q/k/v follows the RMSNorm, and this kernel, launched with PDL, streams its
-first weight tiles while the norm runs (7.8 against cuBLAS's 9.0 us past
-the kernel before, ``benchmarks/tuning/probe_l2_prefetch.py``), so
-``skinny_gemm_applies`` admits 5120 rows at one token. A ``tl.dot``
+q/k/v follows another kernel, and this kernel, launched with PDL, streams
+its first weight tiles while that one finishes (7.8 against cuBLAS's 9.0 us
+past an RMSNorm, ``benchmarks/tuning/probe_l2_prefetch.py``; the norm now
+runs in the prologue, below, and the q/k/v GEMM follows the previous
+layer's MoE), so ``skinny_gemm_applies`` admits 5120 rows at one token. A ``tl.dot``
 version of this kernel (rows padded to 16) lost everywhere.
 ``skinny_gemm_reference`` is the oracle.
 
@@ -40,8 +41,8 @@ from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 SKINNY_MAX_ROWS = 2  # the products stay in registers: rows x 4 x 1024 fp32
 SKINNY_MAX_N = 2048  # measured to win at 128 and 2048 weight rows, lose at 5120
 # ... except at one row launched with PDL after a kernel launched with PDL
-# (as q/k/v follows the RMSNorm): cuBLAS cannot start early, 9.0 against
-# 7.8 us at 5120 rows
+# (as q/k/v in a decode step): cuBLAS cannot start early, 9.0 against 7.8 us
+# at 5120 rows
 SKINNY_MAX_N_ONE_ROW = 5120
 _BLOCK_N, _BLOCK_K = 4, 1024
 # with the norm in the prologue (q/k/v, 5120 x 2048, at one row): 8.7 against

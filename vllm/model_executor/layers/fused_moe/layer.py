@@ -360,12 +360,9 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor | None,
         gate_weight: torch.Tensor | None,
     ) -> torch.Tensor:
-        self._check_loaded()
+        kernel = self._loaded_kernel()
         topk_weights, topk_ids = self._route(hidden_states, router_logits, gate_weight)
-        assert self.kernel is not None
-        return self.kernel.forward(
-            hidden_states, topk_weights, topk_ids, self.expert_map
-        )
+        return kernel.forward(hidden_states, topk_weights, topk_ids, self.expert_map)
 
     def forward_normed_impl(
         self,
@@ -375,22 +372,22 @@ class FusedMoE(nn.Module):
         norm_eps: float,
         gate_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_loaded()
+        kernel = self._loaded_kernel()
         self._check_gate(gate_weight, hidden_states.shape[-1])
         check_norm_operands(hidden_states, residual, norm_weight)
         topk_weights, topk_ids, normed, total = rms_norm_gated_topk(
             hidden_states, residual, norm_weight, norm_eps, gate_weight,
             self.moe.experts_per_token, self.renormalize,
         )  # fmt: skip
-        assert self.kernel is not None
-        out = self.kernel.forward(normed, topk_weights, topk_ids, self.expert_map)
+        out = kernel.forward(normed, topk_weights, topk_ids, self.expert_map)
         return out, total
 
-    def _check_loaded(self) -> None:
+    def _loaded_kernel(self) -> FusedMoEModularKernel:
         if self.kernel is None:
             raise RuntimeError(
                 f"{self.layer_name}: call process_weights_after_loading() first"
             )
+        return self.kernel
 
     def _check_gate(self, gate_weight: torch.Tensor, hidden: int) -> None:
         # Another width would route among the wrong experts silently.
