@@ -78,6 +78,42 @@ def decode_step_bytes(
     return total
 
 
+def measure_latency(
+    llm: LLM,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    num_iters: int,
+    temperature: float,
+) -> tuple[float, float]:
+    """``(TTFT, TPOT)`` in seconds, best of ``num_iters`` batches of random
+    prompts, after a warm-up."""
+    vocab = llm.engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    cuda = torch.cuda.is_available()
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True
+        )
+        best = float("inf")
+        for _ in range(num_iters):
+            # new prompts every time: none of the prefill is in the prefix cache
+            prompts = torch.randint(0, vocab, (batch_size, input_len), generator=gen)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts.tolist(), params)
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    timed(2)  # warm-up (kernel compilation)
+    ttft = timed(1)
+    return ttft, (timed(output_len) - ttft) / (output_len - 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, help="a local checkpoint directory")
@@ -116,30 +152,10 @@ def main() -> None:
             max_num_batched_tokens=max(args.batch_size * args.input_len, 256),
             **parallel_engine_args(args),
         )
-    vocab = llm.engine.model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-
-    def timed(max_tokens: int) -> float:
-        params = SamplingParams(
-            temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True
-        )
-        best = float("inf")
-        for _ in range(args.num_iters):
-            # new prompts every time: none of the prefill is in the prefix cache
-            shape = (args.batch_size, args.input_len)
-            prompts = torch.randint(0, vocab, shape, generator=gen).tolist()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    timed(2)  # warm-up (kernel compilation)
-    ttft = timed(1)
-    tpot = (timed(args.output_len) - ttft) / (args.output_len - 1)
+    ttft, tpot = measure_latency(
+        llm, args.batch_size, args.input_len, args.output_len, args.num_iters,
+        args.temperature,
+    )  # fmt: skip
     itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     context = args.input_len + args.output_len // 2
     step_bytes = decode_step_bytes(llm.engine.model, args.batch_size, context, itemsize)

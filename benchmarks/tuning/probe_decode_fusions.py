@@ -1,0 +1,163 @@
+"""The most each decode-step fusion left could save, measured in the engine.
+
+At batch 1 a Qwen3-30B-A3B decode step chains ~10 kernels per layer by
+programmatic dependent launch, so a kernel's cost in the step is not its
+duration in a profile (``profile_decode.py``): it partly overlaps its
+predecessor. Fusing a kernel into its neighbour saves at most what the
+step loses without it. Each variant patches the model before the engine
+builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
+
+- ``baseline``: the model as it ships.
+- ``routing free``: the router's GEMM (with its norm prologue) without the
+  softmax / top-k tail of its last program; every token routes to experts
+  0..7. Against ``baseline``: the routing's cost (what moving it into the
+  MoE GEMMs could save at most).
+- ``... no q/k norm + RoPE``: the per-head norm, rotation and KV-cache store
+  left out (what fusing them into attention or q/k/v could save at most).
+- ``... no split combine``: attention's split-KV partials never merged.
+- ``... one kernel more``: a trivial kernel launched with PDL after the q/k
+  norm: what a launch costs in the chain.
+
+The last three keep the constant routing: their attention output is
+garbage, and garbage (NaN) logits would route out of bounds. Each variant
+runs in its own process (one 30B model on the GPU at a time).
+
+    PYTHONPATH=. python benchmarks/tuning/probe_decode_fusions.py [--quantization fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.benchmark_latency import measure_latency
+from vllm import LLM
+from vllm.benchmarks.presets import write_preset_config
+from vllm.model_executor.kernels.common import skinny_gemm
+from vllm.model_executor.kernels.common.rms_norm import rms_norm
+from vllm.model_executor.layers.fused_moe import routing
+from vllm.model_executor.models import qwen3_moe
+from vllm.v1.attention.backends import triton_paged
+
+PRESET, LAYERS, TOPK = "qwen3-30b-a3b", 48, 8
+ROUTER_TILE = (2, 2048)  # router_topk's weight rows x K per program
+
+
+def _routing_free() -> None:
+    weights = torch.full((1, TOPK), 1 / TOPK, device="cuda")
+    ids = torch.arange(TOPK, dtype=torch.int32, device="cuda")[None]
+
+    def router(x, residual, norm_weight, eps, gate_weight, topk, renormalize, counter):
+        assert topk == TOPK
+        total = torch.empty_like(x)
+        norm = (residual, norm_weight, total, eps)
+        skinny_gemm._launch(x, gate_weight, *ROUTER_TILE, norm)  # logits unused
+        return weights, ids, total, total  # the experts take the sum
+
+    routing.rms_norm_router_topk = router
+
+
+def _no_qk_norm_rope() -> None:
+    qwen3_moe.qk_norm_rope_ = lambda *args, **kwargs: None
+
+
+def _no_split_combine() -> None:
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    triton_paged._combine_splits_kernel = NoLaunch()
+
+
+def _one_kernel_more() -> None:
+    real = qwen3_moe.qk_norm_rope_
+
+    def with_extra(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos_sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> None:
+        real(
+            q, k, q_weight, k_weight, eps, cos_sin, positions, kv_cache, v,
+            slot_mapping,
+        )  # fmt: skip
+        rms_norm(q[:, 0], q_weight, eps)  # one head's norm, unused
+
+    qwen3_moe.qk_norm_rope_ = with_extra
+
+
+VARIANTS: dict[str, tuple[Callable[[], None], ...]] = {
+    "baseline": (),
+    "routing free": (_routing_free,),
+    "routing free, no q/k norm + RoPE": (_routing_free, _no_qk_norm_rope),
+    "routing free, no split combine": (_routing_free, _no_split_combine),
+    "routing free, one kernel more": (_routing_free, _one_kernel_more),
+}
+
+
+def run_variant(name: str, args: argparse.Namespace) -> float:
+    """TPOT in ms of the model patched as ``name`` says (in this process)."""
+    for patch in VARIANTS[name]:
+        patch()
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(
+            write_preset_config(PRESET, Path(tmp)),
+            load_format="dummy",
+            quantization=args.quantization,
+            max_model_len=args.input_len + args.output_len,
+            max_num_seqs=1,
+            max_num_batched_tokens=max(args.input_len, 256),
+        )
+    _, tpot = measure_latency(llm, 1, args.input_len, args.output_len, 2, 0.0)
+    return tpot * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:  # a child: one variant, its TPOT on the last line
+        print(json.dumps(run_variant(args.variant, args)))
+        return
+    print(
+        f"device: {torch.cuda.get_device_name()} | {PRESET}, "
+        f"{args.quantization or 'bf16'}, batch 1, {args.input_len} in / "
+        f"{args.output_len} out"
+    )
+    print(f"{'variant':<34} {'TPOT ms':>8} {'vs ref us/step':>14} {'us/layer':>8}")
+    tpot: dict[str, float] = {}
+    for name in VARIANTS:
+        child = [sys.executable, __file__, "--variant", name]
+        child += ["--input-len", str(args.input_len)]
+        child += ["--output-len", str(args.output_len)]
+        if args.quantization:
+            child += ["--quantization", args.quantization]
+        out = subprocess.run(child, capture_output=True, text=True, check=True)
+        tpot[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        ref = "routing free" if name.startswith("routing free,") else "baseline"
+        delta = (tpot[name] - tpot[ref]) * 1e3
+        print(
+            f"{name:<34} {tpot[name]:8.3f} {delta:14.1f} {delta / LAYERS:8.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
