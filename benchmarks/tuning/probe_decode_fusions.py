@@ -18,9 +18,13 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 - ``... one kernel more``: a trivial kernel launched with PDL after the q/k
   norm: what a launch costs in the chain.
 
-The last three keep the constant routing: their attention output is
-garbage, and garbage (NaN) logits would route out of bounds. Each variant
-runs in its own process (one 30B model on the GPU at a time).
+The last three keep the constant routing as their reference: their own
+numbers go wrong (without the q/k kernel the KV cache stays zero, without
+the combine attention returns uninitialized memory), and their routing
+would then differ from the baseline's. Each variant runs in its own
+process (one 30B model on the GPU at a time); a failed one prints its
+error and the others still run. ``--variants`` runs a subset (the device's
+10-minute limit: one dtype per command).
 
     PYTHONPATH=. python benchmarks/tuning/probe_decode_fusions.py [--quantization fp8]
 """
@@ -29,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,8 +128,24 @@ def run_variant(name: str, args: argparse.Namespace) -> float:
             max_num_seqs=1,
             max_num_batched_tokens=max(args.input_len, 256),
         )
-    _, tpot = measure_latency(llm, 1, args.input_len, args.output_len, 2, 0.0)
+    _, tpot = measure_latency(llm, 1, args.input_len, args.output_len, 3, 0.0)
     return tpot * 1e3
+
+
+def run_child(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """``{"tpot": ms, "device": name}`` of one variant in a new process, or
+    None (its error printed)."""
+    child = [sys.executable, __file__, "--variant", name]
+    child += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    if args.quantization:
+        child += ["--quantization", args.quantization]
+    out = subprocess.run(child, capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        print(f"{name}: failed (exit {out.returncode})\n{out.stderr[-4000:]}")
+        return None
 
 
 def main() -> None:
@@ -131,30 +153,32 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8", "w4a16", "w4a8"])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS)
+    )
     parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.variant:  # a child: one variant, its TPOT on the last line
-        print(json.dumps(run_variant(args.variant, args)))
-        return
+    if args.variant:  # a child: one variant, its result on the last line
+        ms = run_variant(args.variant, args)
+        device = torch.cuda.get_device_name()
+        print(json.dumps({"tpot": ms, "device": device}), flush=True)
+        os._exit(0)  # the result is out: a fault tearing down graphs can't lose it
     print(
-        f"device: {torch.cuda.get_device_name()} | {PRESET}, "
-        f"{args.quantization or 'bf16'}, batch 1, {args.input_len} in / "
-        f"{args.output_len} out"
+        f"{PRESET}, {args.quantization or 'bf16'}, batch 1, {args.input_len} in / "
+        f"{args.output_len} out (the parent holds no CUDA context)"
     )
     print(f"{'variant':<34} {'TPOT ms':>8} {'vs ref us/step':>14} {'us/layer':>8}")
     tpot: dict[str, float] = {}
-    for name in VARIANTS:
-        child = [sys.executable, __file__, "--variant", name]
-        child += ["--input-len", str(args.input_len)]
-        child += ["--output-len", str(args.output_len)]
-        if args.quantization:
-            child += ["--quantization", args.quantization]
-        out = subprocess.run(child, capture_output=True, text=True, check=True)
-        tpot[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in args.variants:
+        result = run_child(name, args)
+        if result is None:
+            continue
+        tpot[name] = result["tpot"]
         ref = "routing free" if name.startswith("routing free,") else "baseline"
-        delta = (tpot[name] - tpot[ref]) * 1e3
+        delta = (tpot[name] - tpot[ref]) * 1e3 if ref in tpot else float("nan")
         print(
-            f"{name:<34} {tpot[name]:8.3f} {delta:14.1f} {delta / LAYERS:8.2f}",
+            f"{name:<34} {tpot[name]:8.3f} {delta:14.1f} {delta / LAYERS:8.2f}"
+            f"  ({result['device']})",
             flush=True,
         )
 
