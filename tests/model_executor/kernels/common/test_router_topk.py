@@ -1,16 +1,20 @@
 """The fused router (GEMM, softmax, top-k in one launch) against fp32
 PyTorch: the token routed, several K steps and partial ones, the counter
-left zero for the next launch, edge sizes and named errors."""
+left zero for the next launch, edge sizes and named errors; the same
+launch with the norm prologue, routing or leaving the logits out."""
 
 import pytest
 import torch
 
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.router_topk import (
+    rms_norm_router_logits,
     rms_norm_router_topk,
     router_topk,
     router_topk_reference,
 )
+from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm_reference
+from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 
 
 @pytest.mark.parametrize(
@@ -99,6 +103,33 @@ def test_norm_prologue_routes_the_normalized_row(device, experts, hidden, topk):
     torch.testing.assert_close(probs.gather(1, ids.long()), top, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize(("experts", "hidden"), [(128, 2048), (20, 96), (30, 2100)])
+def test_norm_prologue_logits_alone(device, experts, hidden):
+    """``rms_norm_router_logits``: the launch of ``rms_norm_router_topk``
+    without its routing writes the same normalized row and sum, and the
+    logits of that row in its dtype (rounded as the routing's), from which
+    the token routes as ``rms_norm_router_topk`` routed it."""
+    torch.manual_seed(experts * hidden)
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16) * 2
+    residual = torch.randn_like(x)
+    before = residual.clone()
+    norm_weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+    gate = (torch.randn(experts, hidden, device=device) / hidden**0.5).bfloat16()
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    logits, normed, total = rms_norm_router_logits(x, residual, norm_weight, 1e-6, gate)
+    weights, ids, routed_normed, routed_total = rms_norm_router_topk(
+        x, residual, norm_weight, 1e-6, gate, 4, True, counter
+    )
+    assert torch.equal(normed, routed_normed) and torch.equal(total, routed_total)
+    assert torch.equal(residual, before)
+    assert logits.dtype == x.dtype and logits.shape == (1, experts)
+    ref = skinny_gemm_reference(normed, gate)
+    torch.testing.assert_close(logits, ref, atol=1e-2, rtol=2**-7)
+    ref_weights, ref_ids = top_routes_reference(logits, 4, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
 def test_norm_prologue_bad_arguments_are_named(device):
     x = torch.randn(1, 64, device=device, dtype=torch.bfloat16)
     gate = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
@@ -113,6 +144,10 @@ def test_norm_prologue_bad_arguments_are_named(device):
     for (a, r, w, g), name in bad:
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             rms_norm_router_topk(a, r, w, 1e-6, g, 4, True, counter)
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            rms_norm_router_logits(a, r, w, 1e-6, g)
+    logits, normed, total = rms_norm_router_logits(x[:0], x[:0], nw, 1e-6, gate)
+    assert logits.shape == (0, 16) and normed.shape == total.shape == (0, 64)
     weights, ids, normed, total = rms_norm_router_topk(
         x[:0], x[:0], nw, 1e-6, gate, 4, True, counter
     )

@@ -1,17 +1,21 @@
 """The route-by-route decode kernels against their plain-PyTorch reference:
 poisoned outputs, repeated / first / last / invalid / non-local experts,
 fp8 weights with channel scales (CUDA), graph replay with new routing.
-uint4 weights refused by name (``marlin/moe_decode.py`` decodes them)."""
+uint4 weights refused by name (``marlin/moe_decode.py`` decodes them).
+The kernels routing from logits themselves: the same, plus ties and NaN."""
 
 import pytest
 import torch
 
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
+from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm import (
     DecodeConfig,
     interleave_gate_up,
     moe_decode,
     moe_decode_reference,
+    moe_decode_routed,
+    moe_decode_routed_reference,
 )
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 
@@ -184,4 +188,125 @@ def test_fp8_weights_and_graph_replay(tokens):
         out.fill_(float("nan"))
         graph.replay()
         ref = moe_decode_reference(*args[:-1], torch.empty_like(out))
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def distinct_logits(tokens, experts, generator=None):
+    """bf16 logits without ties (exact multiples of 1/8), so that every
+    correct routing is the reference's."""
+    rows = [torch.randperm(experts, generator=generator) for _ in range(tokens)]
+    return ((torch.stack(rows) - experts / 2) / 8).to(torch.bfloat16)
+
+
+def run_routed(x, logits, topk, renormalize, weights, expert_map=None, config=None):
+    w13, w13_scale, w2, w2_scale = weights
+    tokens, hidden = x.shape
+    act = torch.full((tokens * topk, w13.shape[1] // 2), float("nan"), device=x.device)
+    out = torch.full((tokens, hidden), float("nan"), device=x.device, dtype=x.dtype)
+    args = (x, logits, topk, renormalize, w13, w13_scale, w2, w2_scale, expert_map,
+            "silu", act.to(x.dtype))  # fmt: skip
+    got = moe_decode_routed(*args, out, config)
+    return got, moe_decode_routed_reference(*args, torch.empty_like(out))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routed_matches_reference(device, tokens, renormalize):
+    if device.type == "cpu" and tokens > 3:
+        pytest.skip("interpreter: small sizes only")
+    torch.manual_seed(10 + tokens)
+    d = dims(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    weights = make_weights(device, dtype, d["experts"], d["hidden"], d["inter"])
+    x = torch.randn(tokens, d["hidden"], device=device, dtype=dtype)
+    logits = distinct_logits(tokens, d["experts"]).to(device)
+    config = SMALL_TILES if device.type == "cpu" else None
+    got, ref = run_routed(x, logits, d["topk"], renormalize, weights, config=config)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+    # The routing is the ids-and-weights kernels' on the reference's routing.
+    ref_weights, ref_ids = top_routes_reference(logits, d["topk"], renormalize)
+    w13, w13_scale, w2, w2_scale = weights
+    same, _ = run_both(x, ref_ids, ref_weights, w13, w13_scale, w2, w2_scale, None,
+                       config)  # fmt: skip
+    torch.testing.assert_close(got, same, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def test_routed_ties_nan_and_signed_zero(device):
+    torch.manual_seed(11)
+    weights = make_weights(device, torch.float32, 6, 64, 48)
+    x = torch.randn(4, 64, device=device)
+    logits = torch.tensor(
+        [
+            [0.0, -0.0, 1.0, 0.0, -1.0, -0.0],  # 0.0 and -0.0 tie: lower ids first
+            [float("nan"), -2.0, -2.0, float("-inf"), -2.0, -3.0],  # NaN last
+            [3.0, 3.0, 3.0, 3.0, 3.0, 3.0],  # all tie
+            [-0.5, 8.0, 2.0, -0.25, 0.5, 1.5],
+        ],
+        dtype=torch.bfloat16,
+    ).to(device)
+    got, ref = run_routed(x, logits, 3, True, weights, config=SMALL_TILES)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    _, ids = top_routes_reference(logits, 3, True)
+    assert ids.tolist() == [[2, 0, 1], [1, 2, 4], [0, 1, 2], [1, 2, 5]]
+
+
+def test_routed_non_local_experts_add_nothing(device):
+    torch.manual_seed(12)
+    weights = make_weights(device, torch.float32, 4, 64, 48)
+    x = torch.randn(3, 64, device=device)
+    # Rank 1 of 2: global experts 4..7 are local 0..3.
+    expert_map = torch.tensor([-1] * 4 + [0, 1, 2, 3], dtype=torch.int32, device=device)
+    logits = distinct_logits(3, 8).to(device)
+    logits[1, 4:] = -8.0  # token 1 routes to remote experts only
+    got, ref = run_routed(x, logits, 2, False, weights, expert_map, SMALL_TILES)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (got[1] == 0).all() and (got[[0, 2]].abs().sum(1) > 0).all()
+
+
+def test_routed_bad_arguments_are_named(device):
+    w13, _, w2, _ = make_weights(device, torch.float32, 4, 64, 48)
+    x = torch.randn(2, 64, device=device)
+    act, out = torch.empty(4, 48, device=device), torch.empty(2, 64, device=device)
+    logits = distinct_logits(2, 4).to(device)
+    good = dict(
+        x=x, logits=logits, topk=2, renormalize=True, w13=w13, w13_scale=None,
+        w2=w2, w2_scale=None, expert_map=None, activation="silu", act=act, out=out,
+    )  # fmt: skip
+    too_many = torch.zeros(1025, dtype=torch.int32, device=device)
+    for name, change in (
+        ("logits", dict(logits=logits.float())),  # keys hold 16-bit logits only
+        ("logits", dict(logits=logits[:, :3])),
+        ("logits", dict(logits=logits[:1])),
+        ("topk", dict(topk=5)),
+        ("act", dict(topk=3)),  # 2 tokens x 3 routes > act's 4 rows
+        ("expert_map", dict(expert_map=too_many)),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            moe_decode_routed(**(good | change))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 and graphs: CUDA")
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_routed_fp8_graph_replay(tokens):
+    torch.manual_seed(13)
+    device, d = torch.device("cuda"), CUDA_DIMS
+    w13, s13, w2, s2 = make_weights(device, None, 128, 2048, 768, fp8=True)
+    x = torch.randn(tokens, 2048, device=device, dtype=torch.bfloat16)
+    logits = distinct_logits(tokens, d["experts"]).to(device)
+    act = torch.empty(tokens * 8, 768, device=device, dtype=torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    args = (x, logits, 8, True, w13, s13, w2, s2, None, "silu", act, out)
+    moe_decode_routed(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_decode_routed(*args)
+    for seed in range(2):  # new tokens and logits each replay
+        g = torch.Generator().manual_seed(seed)
+        logits.copy_(distinct_logits(tokens, d["experts"], g))
+        x.copy_(torch.randn(x.shape, generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = moe_decode_routed_reference(*args[:-1], torch.empty_like(out))
         torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpe
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts import triton_moe
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import TritonExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.layer import (
@@ -134,25 +135,31 @@ def test_routing_by_the_gate_weight_equals_routing_by_its_logits(
         layer(x, gate_weight=gate[:, :-8])
 
 
+@pytest.mark.parametrize("routed", [True, False])
 def test_the_normed_forward_equals_the_norm_then_the_layer(
-    workspace_init, device, monkeypatch
+    workspace_init, device, monkeypatch, routed
 ):
     """``forward_normed``: the residual add and RMSNorm taken into the layer
     (the GPU dispatch on any device: at 1 token inside the router's kernel,
     at 2 and 5 the norm's kernel first) give the layer's output on the
     normalized rows and the sum, a new tensor, with the residual left as it
-    was."""
+    was; whether the experts' decode kernels route from the logits
+    (``routed``) or take top-k ids."""
     fused: list[int] = []
-    real = routing.rms_norm_router_topk
+    router = "rms_norm_router_logits" if routed else "rms_norm_router_topk"
+    real = getattr(routing, router)
 
     def counted(x, *args):
         fused.append(x.shape[0])
         return real(x, *args)
 
     monkeypatch.setattr(routing, "runs_gpu_kernels", lambda t: True)
-    monkeypatch.setattr(routing, "rms_norm_router_topk", counted)
+    monkeypatch.setattr(triton_moe, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(routing, router, counted)
     moe = moe_config(device, experts_per_token=4)
-    layer = make_layer(moe, device, seed=9)
+    layer = make_layer(moe, device, backend="triton", seed=9)
+    if not routed:
+        monkeypatch.setattr(layer.kernel.experts, "routes_from_logits", lambda t: False)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
     gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)
     norm_weight = torch.rand(moe.hidden_size, device=device).to(moe.in_dtype) + 0.5

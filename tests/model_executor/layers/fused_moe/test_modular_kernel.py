@@ -10,6 +10,7 @@ import torch
 
 from tests.model_executor.layers.fused_moe.utils import (
     CUDA,
+    HOPPER,
     SCHEMES,
     TOLERANCE,
     UNQUANTIZED,
@@ -19,6 +20,8 @@ from tests.model_executor.layers.fused_moe.utils import (
     random_weights,
     relative_error,
 )
+from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
+from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe, triton_moe
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
@@ -123,3 +126,64 @@ def test_bad_inputs_are_named(workspace_init, device):
     ):
         with pytest.raises(ValueError, match=name):
             kernel.forward(*args)
+
+
+ROUTED = ["triton", "triton_fp8"] if HOPPER else ["triton"] if not CUDA else []
+
+
+@pytest.mark.parametrize("backend", ROUTED)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("ep_size", [1, 4])
+def test_routed_forward_is_the_forward_of_its_routing(
+    workspace_init, device, monkeypatch, backend, tokens, ep_size
+):
+    """``forward_routed``: the decode kernels routing from the logits give
+    ``forward`` of the logits' routing (softmax top-k, ties to the lower
+    id), local experts only under an expert map; on the CPU through the
+    interpreter."""
+    for module in (triton_moe, triton_fp8_moe):
+        monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
+    torch.manual_seed(tokens + ep_size)
+    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=4)
+    kernel = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(),
+        make_experts(moe, *random_weights(moe, device), backend),
+    )
+    hidden = torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    logits = torch.randn(tokens, moe.num_experts, device=device).to(moe.in_dtype)
+    expert_map = moe.make_expert_map(device)
+    assert kernel.routes_from_logits(hidden)
+    for renormalize in (True, False):
+        out = kernel.forward_routed(hidden, logits, renormalize, expert_map)
+        weights, ids = top_routes_reference(logits, 4, renormalize)
+        expected = kernel.forward(hidden, weights, ids, expert_map)
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        assert not bool(out.isnan().any())
+
+
+def test_routed_forward_refusals_are_named(workspace_init, device, monkeypatch):
+    monkeypatch.setattr(triton_moe, "runs_gpu_kernels", lambda t: t.numel() > 0)
+    moe = moe_config(device, experts_per_token=2)
+    w13, w2 = random_weights(moe, device)
+    kernel = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(), make_experts(moe, w13, w2, "triton")
+    )
+    x = torch.randn(3, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    logits = torch.randn(3, moe.num_experts, device=device).to(moe.in_dtype)
+    for args, name in (
+        ((x, logits.float()), "router_logits"),
+        ((x, logits[:, :-1]), "router_logits"),
+        ((x, logits[:2]), "router_logits"),
+        ((x.float(), logits), "hidden_states"),
+        ((x[:, :-8], logits), "hidden_states"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            kernel.forward_routed(*args, True)
+    many = torch.randn(9, moe.hidden_size, device=device, dtype=moe.in_dtype)
+    grouped = FusedMoEModularKernel(
+        MoEPrepareAndFinalizeNoEP(), GroupedMMExperts(moe, w13, w2)
+    )
+    for refused, tokens in ((kernel, many), (grouped, x)):
+        assert not refused.routes_from_logits(tokens)
+        with pytest.raises(ValueError, match=r"^hidden_states: .* call forward\(\)"):
+            refused.forward_routed(tokens, logits, True)

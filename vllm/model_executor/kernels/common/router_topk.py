@@ -24,6 +24,10 @@ the whole bf16 layer (``benchmark_moe_decode``).
 ``rms_norm_router_topk`` routes ``rms_norm(x + residual)`` with the add and
 the norm in the GEMM's prologue (:func:`~.skinny_gemm.skinny_tile`);
 program 0 writes the sum and the normalized row, which the experts read.
+``rms_norm_router_logits`` is that launch without the routing: the MoE
+decode kernels route from its logits themselves
+(:func:`~.grouped_gemm.decode.moe_decode_routed`), with no last program to
+wait for.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def router_topk_applies(rows: int, num_experts: int, dtype: torch.dtype) -> bool
 def _router_topk_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [E, K]
-    logits_ptr,  # [E] fp32
+    logits_ptr,  # [E] fp32 (ROUTE) or x's dtype
     counter_ptr,  # [1] int32, zero
     weights_ptr,  # [TOPK] fp32
     ids_ptr,  # [TOPK] int32
@@ -82,6 +86,7 @@ def _router_topk_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTE: tl.constexpr,  # else only the logits, in x's dtype
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     logits = skinny_tile(
@@ -91,18 +96,19 @@ def _router_topk_kernel(
     )  # fmt: skip
     tl.store(
         logits_ptr + cols[None, :],
-        logits.to(x_ptr.dtype.element_ty).to(tl.float32),
+        logits.to(x_ptr.dtype.element_ty).to(logits_ptr.dtype.element_ty),
         mask=(cols < num_experts)[None, :],
     )
-    # Every thread's stores precede the count; the last program's acquire
-    # makes all programs' logits visible to its loads.
-    tl.debug_barrier()
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(counter_ptr, 0)
-        route_token(
-            logits_ptr, weights_ptr, ids_ptr, num_experts, TOPK, RENORMALIZE,
-            BLOCK_E, CHUNK,
-        )  # fmt: skip
+    if ROUTE:
+        # Every thread's stores precede the count; the last program's acquire
+        # makes all programs' logits visible to its loads.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(counter_ptr, 0)
+            route_token(
+                logits_ptr, weights_ptr, ids_ptr, num_experts, TOPK, RENORMALIZE,
+                BLOCK_E, CHUNK,
+            )  # fmt: skip
 
 
 def router_topk(
@@ -115,7 +121,8 @@ def router_topk(
     """``(weights fp32 [M, topk], ids int32 [M, topk])`` of the token ``x``
     [M <= 1, K] (16-bit) under the router ``gate_weight`` [E, K], largest
     first; ``counter``: an int32 zero on ``x``'s device, left zero."""
-    return _launch(x, gate_weight, topk, renormalize, counter, None)
+    _check(x, gate_weight)
+    return _route(x, gate_weight, topk, renormalize, counter, None)
 
 
 def rms_norm_router_topk(
@@ -131,30 +138,63 @@ def rms_norm_router_topk(
     """:func:`router_topk` of ``rms_norm(x + residual)`` with the residual
     add and the norm in the same launch (every program normalizes the row
     itself): ``(weights, ids, the normalized row, x + residual)``."""
-    check_norm_operands(x, residual, norm_weight)
-    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
-    total = torch.empty_like(normed)
-    norm = (residual, norm_weight, total, normed, eps)
-    weights, ids = _launch(x, gate_weight, topk, renormalize, counter, norm)
+    _check(x, gate_weight)
+    normed, total, norm = _norm_outputs(x, residual, norm_weight, eps)
+    weights, ids = _route(x, gate_weight, topk, renormalize, counter, norm)
     return weights, ids, normed, total
 
 
-def _launch(
+def rms_norm_router_logits(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's GEMM of :func:`rms_norm_router_topk` without the
+    routing, for kernels that route from the logits themselves: ``(logits
+    [M, E] in x's dtype, the normalized row, x + residual)``."""
+    _check(x, gate_weight)
+    normed, total, norm = _norm_outputs(x, residual, norm_weight, eps)
+    m, num_experts = x.shape[0], gate_weight.shape[0]
+    logits = torch.empty(m, num_experts, dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, gate_weight, logits, None, norm)
+    return logits, normed, total
+
+
+_Norm = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+
+
+def _check(x: torch.Tensor, gate_weight: torch.Tensor) -> None:
+    if x.dim() == 2 and x.shape[0] > 1:
+        raise arg_error("x", f"at most one row, got {x.shape[0]}")
+    check_skinny_operands(x, gate_weight, "gate_weight")
+    num_experts = gate_weight.shape[0]
+    if not router_topk_applies(1, num_experts, x.dtype):
+        raise arg_error(
+            "gate_weight", f"at most {ROUTER_MAX_EXPERTS} experts, got {num_experts}"
+        )
+
+
+def _norm_outputs(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, _Norm]:
+    check_norm_operands(x, residual, norm_weight)
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    total = torch.empty_like(normed)
+    return normed, total, (residual, norm_weight, total, normed, eps)
+
+
+def _route(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
     topk: int,
     renormalize: bool,
     counter: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float] | None,
+    norm: _Norm | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dim() == 2 and x.shape[0] > 1:
-        raise arg_error("x", f"at most one row, got {x.shape[0]}")
-    check_skinny_operands(x, gate_weight, "gate_weight")
-    (m, k), num_experts = x.shape, gate_weight.shape[0]
-    if not router_topk_applies(1, num_experts, x.dtype):
-        raise arg_error(
-            "gate_weight", f"at most {ROUTER_MAX_EXPERTS} experts, got {num_experts}"
-        )
+    num_experts = gate_weight.shape[0]
     if not 1 <= topk <= num_experts:
         raise arg_error("topk", f"1..{num_experts}, got {topk}")
     good_counter = counter.dtype == torch.int32 and counter.device == x.device
@@ -163,23 +203,45 @@ def _launch(
             "counter", f"int32 zeros on {x.device}, got {counter.dtype} "
             f"{list(counter.shape)} on {counter.device}",
         )  # fmt: skip
+    m = x.shape[0]
     weights = torch.empty(m, topk, dtype=torch.float32, device=x.device)
     ids = torch.empty(m, topk, dtype=torch.int32, device=x.device)
-    residual, norm_weight, total, normed, eps = norm or (None, None, None, None, 0.0)
     if m:
         logits = torch.empty(num_experts, dtype=torch.float32, device=x.device)
-        block_e, chunk = route_block_sizes(num_experts)
-        launch_pdl = pdl(x.device)
-        _router_topk_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
-            x, gate_weight, logits, counter, weights, ids,
-            residual, norm_weight, total, normed,
-            num_experts, k, x.stride(0), gate_weight.stride(0),
-            0 if residual is None else residual.stride(0), eps, NORM=norm is not None,
-            TOPK=topk, RENORMALIZE=renormalize, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-            BLOCK_E=block_e, CHUNK=chunk, PDL=launch_pdl, num_warps=4,
-            launch_pdl=launch_pdl,
-        )  # fmt: skip
+        route = (topk, renormalize, counter, weights, ids)
+        _launch(x, gate_weight, logits, route, norm)
     return weights, ids
+
+
+def _launch(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    logits: torch.Tensor,
+    route: tuple[int, bool, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    norm: _Norm | None,
+) -> None:
+    """``route``: (topk, renormalize, counter, weights, ids), or None for the
+    logits alone."""
+    num_experts = gate_weight.shape[0]
+    residual, norm_weight, total, normed, eps = norm or (None, None, None, None, 0.0)
+    topk, renormalize, counter, weights, ids = route or (
+        1,
+        False,
+        logits,
+        logits,
+        logits,
+    )
+    block_e, chunk = route_block_sizes(num_experts)
+    launch_pdl = pdl(x.device)
+    _router_topk_kernel[(triton.cdiv(num_experts, _BLOCK_N),)](
+        x, gate_weight, logits, counter, weights, ids,
+        residual, norm_weight, total, normed,
+        num_experts, x.shape[1], x.stride(0), gate_weight.stride(0),
+        0 if residual is None else residual.stride(0), eps, NORM=norm is not None,
+        TOPK=topk, RENORMALIZE=renormalize, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        BLOCK_E=block_e, CHUNK=chunk, PDL=launch_pdl, ROUTE=route is not None,
+        num_warps=4, launch_pdl=launch_pdl,
+    )  # fmt: skip
 
 
 def router_topk_reference(

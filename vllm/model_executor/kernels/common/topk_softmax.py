@@ -8,6 +8,11 @@ expert's rank from all pairwise comparisons at once (ties go to the lower
 expert id); the top ``k`` store their weight and id at their rank. ``k``
 rounds of max-and-remove, the first version, were 2k block reductions in
 series: 3.4 us per call at one token on the H200.
+
+:func:`top_routes` routes one token inside another kernel (the MoE decode
+GEMMs route from the router's logits themselves): there the logits are
+16-bit values, so each expert's logit and id fit in one int32 key and a
+round of max-and-remove is one block reduction.
 """
 
 from __future__ import annotations
@@ -64,6 +69,80 @@ def route_token(
         weights = weights / tl.sum(tl.where(chosen, weights, 0.0), 0)
     tl.store(weights_out + rank, weights, mask=chosen)
     tl.store(ids_out + rank, e, mask=chosen)
+
+
+# top_routes' keys: a 16-bit logit in fp32 leaves the low 13 bits zero, so
+# they hold the expert id (inverted: ties go to the lower id).
+TOP_ROUTES_MAX_EXPERTS = 1 << 10
+_ID_MASK: tl.constexpr = tl.constexpr(TOP_ROUTES_MAX_EXPERTS - 1)
+_LOGIT_MASK: tl.constexpr = tl.constexpr(-TOP_ROUTES_MAX_EXPERTS)  # ~_ID_MASK
+_TAKEN: tl.constexpr = tl.constexpr(-(2**31) + 1)  # below every key
+
+
+@triton.jit
+def _key_logit(key):
+    """The fp32 logit of a :func:`top_routes` key (its id bits cleared)."""
+    high = key & _LOGIT_MASK
+    bits = tl.where(high < 0, (high ^ 0x7FFFFFFF) & _LOGIT_MASK, high)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def top_routes(
+    row,  # one token's logits, 16-bit values
+    num_experts,  # <= TOP_ROUTES_MAX_EXPERTS
+    topk,
+    RENORMALIZE: tl.constexpr,
+    WEIGHTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # >= num_experts
+    BLOCK_R: tl.constexpr,  # >= topk
+):
+    """``(ids int32 [BLOCK_R], weights fp32 [BLOCK_R])`` of the token whose
+    logits are at ``row``: its ``topk`` experts, largest logit first, ties
+    to the lower id, NaN last (a NaN row still routes to ids in range);
+    the softmax weights (renormalized over the chosen) with ``WEIGHTS``,
+    else zeros. Lanes past ``topk``: id 0, weight 0."""
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(row + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))
+    x = tl.where(x == 0, 0.0, x)  # -0.0 ties with 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    # Signed order of the keys is the logits' order: flip negatives' magnitude.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) & _LOGIT_MASK
+    key = key | (_ID_MASK - e)
+    slots = tl.arange(0, BLOCK_R)
+    ids = tl.zeros([BLOCK_R], dtype=tl.int32)
+    top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for i in range(topk):
+        best = tl.max(key, 0)
+        key = tl.where(key == best, _TAKEN, key)
+        ids = tl.where(slots == i, _ID_MASK - (best & _ID_MASK), ids)
+        if WEIGHTS:
+            top = tl.where(slots == i, _key_logit(best), top)
+    weights = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if WEIGHTS:
+        largest = tl.max(x, 0)
+        weights = tl.exp(top - largest)  # zero past topk
+        if RENORMALIZE:
+            weights = weights / tl.sum(weights, 0)
+        else:
+            weights = weights / tl.sum(tl.exp(x - largest), 0)
+    return ids, weights
+
+
+def top_routes_reference(
+    logits: torch.Tensor, topk: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_routes` of every row of ``logits`` [T, E] in PyTorch:
+    ``(weights fp32 [T, topk], ids int32 [T, topk])``, ties to the lower id
+    (a stable sort), NaN last."""
+    x = logits.float()
+    x = torch.where(x.isnan(), float("-inf"), x)
+    ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :topk]
+    probs = torch.softmax(x, dim=-1).gather(-1, ids)
+    if renormalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, ids.to(torch.int32)
 
 
 def route_block_sizes(num_experts: int) -> tuple[int, int]:

@@ -27,6 +27,8 @@ from vllm.model_executor.kernels.grouped_gemm.decode import (
     DecodeConfig,
     moe_decode,
     moe_decode_reference,
+    moe_decode_routed,
+    moe_decode_routed_reference,
 )
 from vllm.model_executor.kernels.grouped_gemm.dispatch import (
     GroupedGemmConfig,
@@ -70,6 +72,8 @@ __all__ = [
     "interleave_gate_up",
     "moe_decode",
     "moe_decode_reference",
+    "moe_decode_routed",
+    "moe_decode_routed_reference",
     "moe_gemm_kernels",
     "quantize_groups_reference",
     "takes_gluon",

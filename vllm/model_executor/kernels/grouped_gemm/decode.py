@@ -52,8 +52,13 @@ from vllm.model_executor.kernels.common.checks import (
 )
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.topk_softmax import (
+    TOP_ROUTES_MAX_EXPERTS,
+    top_routes,
+    top_routes_reference,
+)
 from vllm.model_executor.kernels.grouped_gemm.layout import deinterleave_gate_up
-from vllm.model_executor.kernels.moe_permute.sort import route_bucket
+from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
 
 # Up to this many tokens the expert layers take these kernels: per-route
 # weight reads cost little while few tokens share an expert (top-8 of 128:
@@ -77,6 +82,8 @@ def _decode_gated_kernel(
     stride_x,
     stride_ids,
     stride_act,
+    logits_ptr,  # ROUTED: [T, num_experts] 16-bit
+    stride_logits,
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     MODE: tl.constexpr,
@@ -85,15 +92,29 @@ def _decode_gated_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTED: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    pdl_wait(PDL)  # the routing is the previous kernel's
+    pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = tl.program_id(0)
     token = route // topk
     # The route's local expert; num_local for an invalid or remote one.
-    expert = route_bucket(
-        ids_ptr, map_ptr, token * stride_ids + route % topk,
-        route < tl.num_programs(0), num_experts, num_local, HAS_MAP,
-    )  # fmt: skip
+    if ROUTED:
+        ids, _ = top_routes(
+            logits_ptr + token * stride_logits, num_experts, topk, False, False,
+            BLOCK_E, BLOCK_R,
+        )  # fmt: skip
+        chosen = tl.sum(tl.where(tl.arange(0, BLOCK_R) == route % topk, ids, 0), 0)
+        expert = local_expert(
+            chosen, route < tl.num_programs(0), map_ptr, num_experts, num_local,
+            HAS_MAP,
+        )  # fmt: skip
+    else:
+        expert = route_bucket(
+            ids_ptr, map_ptr, token * stride_ids + route % topk,
+            route < tl.num_programs(0), num_experts, num_local, HAS_MAP,
+        )  # fmt: skip
     if expert < num_local:
         # 2 x BLOCK_N interleaved rows: gate 0, up 0, gate 1, ...
         rows = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
@@ -139,26 +160,43 @@ def _decode_down_kernel(
     stride_ids,
     stride_weights,
     stride_out,
+    logits_ptr,  # ROUTED: [T, num_experts] 16-bit
+    stride_logits,
     HAS_MAP: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTED: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     # All of the token's routes at once: each K step loads BLOCK_R weight
     # tiles together (one round trip, not one per route).
     token = tl.program_id(0)
     k_routes = tl.arange(0, BLOCK_R)
-    experts = route_bucket(
-        ids_ptr, map_ptr, token * stride_ids + k_routes, k_routes < topk,
-        num_experts, num_local, HAS_MAP,
-    )  # fmt: skip
-    valid = experts < num_local
+    if ROUTED:
+        # The logits are two launches back: complete before this one starts.
+        ids, weights = top_routes(
+            logits_ptr + token * stride_logits, num_experts, topk, RENORMALIZE,
+            True, BLOCK_E, BLOCK_R,
+        )  # fmt: skip
+        experts = local_expert(
+            ids, k_routes < topk, map_ptr, num_experts, num_local, HAS_MAP
+        )
+        valid = experts < num_local
+        weights = tl.where(valid, weights, 0.0)
+    else:
+        experts = route_bucket(
+            ids_ptr, map_ptr, token * stride_ids + k_routes, k_routes < topk,
+            num_experts, num_local, HAS_MAP,
+        )  # fmt: skip
+        valid = experts < num_local
+        weights = tl.load(
+            topk_weights_ptr + token * stride_weights + k_routes, mask=valid, other=0.0
+        )
     routes = token * topk + k_routes
-    weights = tl.load(
-        topk_weights_ptr + token * stride_weights + k_routes, mask=valid, other=0.0
-    )
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < hidden
     # [BLOCK_R, BLOCK_N] rows of the flattened [E * hidden, inter] weights
@@ -230,8 +268,7 @@ def default_decode_config(tokens: int, weight_dtype: torch.dtype) -> DecodeConfi
 
 def _check(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk: int,
     w13: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2: torch.Tensor,
@@ -269,6 +306,20 @@ def _check(
         elif (scale is None) == scaled:
             got = "None" if scale is None else "a tensor"
             raise arg_error(name, f"fp32 [E, N] for fp8 weights, else None, got {got}")
+    if expert_map is not None:
+        check_index("expert_map", expert_map, 1, device)
+    if activation not in ACTIVATIONS:
+        raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
+    check_rows("act", act, tokens * topk, inter, (x.dtype,), device)
+    if out.shape[0] != tokens:
+        raise arg_error("out", f"{tokens} rows, got {out.shape[0]}")
+    check_rows("out", out, tokens, hidden, (x.dtype,), device)
+
+
+def _check_routing(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> None:
+    tokens, device = x.shape[0], x.device
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
         raise arg_error("topk_ids", f"[{tokens}, topk], got {tuple(topk_ids.shape)}")
     topk = topk_ids.shape[1]
@@ -276,14 +327,32 @@ def _check(
     if topk_weights.shape[0] != tokens:
         raise arg_error("topk_weights", f"{tokens} rows, got {topk_weights.shape[0]}")
     check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
-    if expert_map is not None:
-        check_index("expert_map", expert_map, 1, device)
-    if activation not in ACTIVATIONS:
-        raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
-    check_rows("act", act, tokens * topk, two_inter // 2, (x.dtype,), device)
-    if out.shape[0] != tokens:
-        raise arg_error("out", f"{tokens} rows, got {out.shape[0]}")
-    check_rows("out", out, tokens, hidden, (x.dtype,), device)
+
+
+def _check_logits(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    expert_map: torch.Tensor | None,
+) -> None:
+    tokens, device = x.shape[0], x.device
+    num_ids = len(w13) if expert_map is None else len(expert_map)
+    if num_ids > TOP_ROUTES_MAX_EXPERTS:
+        raise arg_error(
+            "w13" if expert_map is None else "expert_map",
+            f"at most {TOP_ROUTES_MAX_EXPERTS} experts to route among, got {num_ids}",
+        )
+    if logits.dim() != 2 or logits.shape[0] != tokens:
+        raise arg_error(
+            "logits", f"[{tokens}, {num_ids}] (tokens, experts), got "
+            f"{tuple(logits.shape)}",
+        )  # fmt: skip
+    # 16-bit logits: top_routes packs each with its expert id in an int32.
+    dtypes = (torch.bfloat16, torch.float16)
+    check_rows("logits", logits, tokens, num_ids, dtypes, device)
+    if not 1 <= topk <= num_ids:
+        raise arg_error("topk", f"1..{num_ids}, got {topk}")
 
 
 def moe_decode(
@@ -303,36 +372,94 @@ def moe_decode(
     """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
     w13 [E, 2I, K] (gate and up rows interleaved) and w2 [E, K, I]; ``act``
     [>= T * topk, I] is the scratch between the two GEMMs. Returns ``out``."""
-    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
-           activation, act, out)  # fmt: skip
+    _check_routing(x, topk_ids, topk_weights)
+    topk = topk_ids.shape[1]
+    _check(x, topk, w13, w13_scale, w2, w2_scale, expert_map, activation, act, out)
+    routing = (topk_ids, topk_weights, None, False)
+    return _launch(x, topk, routing, w13, w13_scale, w2, w2_scale, expert_map,
+                   activation, act, out, config)  # fmt: skip
+
+
+def moe_decode_routed(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """:func:`moe_decode` of the softmax top-``topk`` routing of the router's
+    ``logits`` [T, E] (16-bit, unit stride over experts), which both
+    kernels compute themselves (:func:`~.common.topk_softmax.top_routes`):
+    the routing costs no launch and no round trip of ids."""
+    _check_logits(x, logits, topk, w13, expert_map)
+    _check(x, topk, w13, w13_scale, w2, w2_scale, expert_map, activation, act, out)
+    routing = (None, None, logits, renormalize)
+    return _launch(x, topk, routing, w13, w13_scale, w2, w2_scale, expert_map,
+                   activation, act, out, config)  # fmt: skip
+
+
+def _launch(
+    x: torch.Tensor,
+    topk: int,
+    routing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool],
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    config: DecodeConfig | None,
+) -> torch.Tensor:
+    """``routing``: (topk ids, topk weights, None, False) or (None, None,
+    the router's logits, renormalize)."""
+    topk_ids, topk_weights, logits, renormalize = routing
+    routed = logits is not None
+    # Each kernel reads one routing; the other's pointers are placeholders.
+    if logits is None:
+        assert topk_ids is not None and topk_weights is not None
+        ids, weights, logits = topk_ids, topk_weights, topk_ids
+    else:
+        ids = weights = logits
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
-    topk, inter, num_ids = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
+    inter, num_ids = w13.shape[1] // 2, w13.shape[0]
     if expert_map is not None:
         num_ids = expert_map.numel()
     if tokens == 0:
         return out
-    map_arg = expert_map if expert_map is not None else topk_ids
+    map_arg = expert_map if expert_map is not None else ids
+    block_r, block_e = triton.next_power_of_2(topk), triton.next_power_of_2(num_ids)
     launch_pdl = pdl(x.device)
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
-        x, topk_ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
+        x, ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
-        topk_ids.stride(0),
-        act.stride(0), HAS_MAP=expert_map is not None,
+        ids.stride(0), act.stride(0), logits, logits.stride(0),
+        HAS_MAP=expert_map is not None,
         HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
-        PDL=launch_pdl, num_warps=config.num_warps, launch_pdl=launch_pdl,
+        PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e, BLOCK_R=block_r,
+        num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
-        act, topk_ids, map_arg, topk_weights, w2,
+        act, ids, map_arg, weights, w2,
         w2_scale if w2_scale is not None else w2, out, inter, hidden, topk,
-        num_ids, w13.shape[0], act.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0),
-        out.stride(0), HAS_MAP=expert_map is not None,
-        HAS_SCALE=w2_scale is not None, BLOCK_R=triton.next_power_of_2(topk),
-        BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, PDL=launch_pdl,
+        num_ids, w13.shape[0], act.stride(0), ids.stride(0),
+        weights.stride(0), out.stride(0), logits, logits.stride(0),
+        HAS_MAP=expert_map is not None,
+        HAS_SCALE=w2_scale is not None, BLOCK_R=block_r,
+        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, PDL=launch_pdl,
+        ROUTED=routed, RENORMALIZE=renormalize, BLOCK_E=block_e,
         num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
@@ -352,7 +479,8 @@ def moe_decode_reference(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """:func:`moe_decode` in plain PyTorch (fp32 math; ``act`` untouched)."""
-    _check(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_map,
+    _check_routing(x, topk_ids, topk_weights)
+    _check(x, topk_ids.shape[1], w13, w13_scale, w2, w2_scale, expert_map,
            activation, act, out)  # fmt: skip
     gate_up, down = (
         w.float() if scale is None else w.float() * scale[..., None]
@@ -373,3 +501,24 @@ def moe_decode_reference(
         h = h.to(x.dtype).float()  # act is stored in the input dtype
         result[t] += topk_weights[t, k] * (down[e] @ h)
     return out.copy_(result)
+
+
+def moe_decode_routed_reference(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    act: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`moe_decode_routed` in plain PyTorch."""
+    _check_logits(x, logits, topk, w13, expert_map)
+    weights, ids = top_routes_reference(logits, topk, renormalize)
+    return moe_decode_reference(x, ids, weights, w13, w13_scale, w2, w2_scale,
+                                expert_map, activation, act, out)  # fmt: skip

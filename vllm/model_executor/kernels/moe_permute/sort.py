@@ -72,7 +72,22 @@ def route_bucket(
     """Local expert of each route, ``n_local_expert`` for invalid routes and
     for lanes past the end (so they sort last)."""
     ids = tl.load(topk_ids_ptr + routes, mask=in_bounds, other=-1)
-    in_range = (ids >= 0) & (ids < n_expert)
+    return local_expert(
+        ids, in_bounds, expert_map_ptr, n_expert, n_local_expert, HAS_MAP
+    )
+
+
+@triton.jit
+def local_expert(
+    ids,
+    in_bounds,
+    expert_map_ptr,
+    n_expert,
+    n_local_expert,
+    HAS_MAP: tl.constexpr,
+):
+    """:func:`route_bucket` of expert ids already loaded."""
+    in_range = in_bounds & (ids >= 0) & (ids < n_expert)
     # The map load is masked so that an out-of-range id never indexes it.
     local = tl.load(expert_map_ptr + ids, mask=in_range, other=-1) if HAS_MAP else ids
     valid = in_range & (local >= 0) & (local < n_local_expert)

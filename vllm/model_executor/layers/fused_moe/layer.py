@@ -55,6 +55,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize import (
 from vllm.model_executor.layers.fused_moe.routing import (
     fused_topk,
     gated_topk,
+    rms_norm_gated_logits,
     rms_norm_gated_topk,
 )
 from vllm.model_executor.utils import copy_tensors_in_place
@@ -348,7 +349,9 @@ class FusedMoE(nn.Module):
         """``(self(rms_norm(hidden_states + residual)), hidden_states +
         residual)``: a decoder layer's residual add and post-attention norm
         taken into the layer, where at one token on a GPU they run inside
-        the router's kernel (:func:`~.routing.rms_norm_gated_topk`)."""
+        the router's kernel (:func:`~.routing.rms_norm_gated_topk`). At
+        decode sizes, experts that route from logits take the router's
+        (:meth:`FusedMoEModularKernel.forward_routed`): no routing launch."""
         return torch.ops.vllm.moe_forward_normed(
             hidden_states, residual, norm_weight, norm_eps, gate_weight,
             self.layer_name,
@@ -375,6 +378,15 @@ class FusedMoE(nn.Module):
         kernel = self._loaded_kernel()
         self._check_gate(gate_weight, hidden_states.shape[-1])
         check_norm_operands(hidden_states, residual, norm_weight)
+        if kernel.routes_from_logits(hidden_states):
+            # Decode sizes: the experts' kernels route from the logits.
+            logits, normed, total = rms_norm_gated_logits(
+                hidden_states, residual, norm_weight, norm_eps, gate_weight
+            )
+            routed = kernel.forward_routed(
+                normed, logits, self.renormalize, self.expert_map
+            )
+            return routed, total
         topk_weights, topk_ids, normed, total = rms_norm_gated_topk(
             hidden_states, residual, norm_weight, norm_eps, gate_weight,
             self.moe.experts_per_token, self.renormalize,

@@ -7,6 +7,11 @@ expert-parallel ranks in ``fused_moe.prepare_finalize``. ``FusedMoEExperts``
 computes the experts on the routed tokens. The modular kernel takes both of
 the experts' workspaces from the workspace manager in one
 ``get_simultaneous`` call, so every MoE layer of a slot shares them.
+
+Without dispatch, experts whose decode kernels route a token from the
+router's logits themselves (:meth:`FusedMoEExperts.routes_from_logits`)
+take the logits instead of top-k ids (:meth:`FusedMoEModularKernel.forward_routed`):
+at decode sizes the routing then costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -238,6 +243,37 @@ class FusedMoEExperts(ABC):
     ) -> None:
         """Write ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` into ``output``."""
 
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`apply_routed` takes ``hidden_states``."""
+        return False
+
+    def apply_routed(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None,
+        workspace2: torch.Tensor,
+    ) -> None:
+        """:meth:`apply` of the softmax top-k routing of ``router_logits``
+        [T, E], computed inside the experts' kernels."""
+        raise NotImplementedError(f"{type(self).__name__} routes by top-k ids only")
+
+
+def _check_hidden_states(moe: FusedMoEConfig, hidden_states: torch.Tensor) -> int:
+    """The token count of ``hidden_states``, or raise naming it."""
+    if not (
+        hidden_states.dim() == 2
+        and hidden_states.shape[1] == moe.hidden_size
+        and hidden_states.dtype == moe.in_dtype
+    ):
+        raise ValueError(
+            f"hidden_states: expected [tokens, {moe.hidden_size}] {moe.in_dtype}, "
+            f"got {tuple(hidden_states.shape)} {hidden_states.dtype}"
+        )
+    return hidden_states.shape[0]
+
 
 def _check_inputs(
     moe: FusedMoEConfig,
@@ -245,17 +281,8 @@ def _check_inputs(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else -1
-    routing = (tokens, moe.experts_per_token)
+    routing = (_check_hidden_states(moe, hidden_states), moe.experts_per_token)
     for name, ok, expected, got in (
-        (
-            "hidden_states",
-            hidden_states.dim() == 2
-            and hidden_states.shape[1] == moe.hidden_size
-            and hidden_states.dtype == moe.in_dtype,
-            f"[tokens, {moe.hidden_size}] {moe.in_dtype}",
-            f"{tuple(hidden_states.shape)} {hidden_states.dtype}",
-        ),
         (
             "topk_ids",
             tuple(topk_ids.shape) == routing
@@ -301,26 +328,10 @@ class FusedMoEModularKernel:
         )
         a1q, topk = prepared.a1q, topk_ids.shape[1]
         capacity = prepared.capacity_tokens
-        shape13, shape2, out_shape = self.experts.workspace_shapes(
-            capacity,
-            moe.w13_rows,
-            moe.hidden_size,
-            topk,
-            moe.num_experts,
-            moe.num_local_experts,
-        )
-        dtype = self.experts.workspace_dtype(hidden_states.dtype)
-        workspace13, workspace2 = get_workspace_buffers(
-            hidden_states.device, (shape13, dtype), (shape2, dtype)
+        output, workspace13, workspace2 = self._buffers(
+            a1q.shape[0], capacity, a1q.device
         )
         self.experts.permute_scratch(a1q.device).reserve(capacity * topk)
-        # The output outlives the workspace views (the next layer reuses
-        # them); its rows are the experts' input rows, not the capacity.
-        output = torch.empty(
-            (a1q.shape[0], *out_shape[1:]),
-            dtype=hidden_states.dtype,
-            device=hidden_states.device,
-        )
         self.experts.apply(
             output,
             a1q,
@@ -332,3 +343,70 @@ class FusedMoEModularKernel:
             workspace2,
         )
         return self.prepare_finalize.finalize(output, prepared)
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`forward_routed` takes ``hidden_states``: no dispatch,
+        and experts whose kernels route from logits at this size."""
+        return isinstance(
+            self.prepare_finalize, MoEPrepareAndFinalizeNoEP
+        ) and self.experts.routes_from_logits(hidden_states)
+
+    def forward_routed(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` of the softmax top-k routing of ``router_logits``
+        [T, E], which the experts' kernels compute (only where
+        :meth:`routes_from_logits`)."""
+        moe = self.experts.moe
+        tokens = _check_hidden_states(moe, hidden_states)
+        if not self.routes_from_logits(hidden_states):
+            raise ValueError(
+                f"hidden_states: {type(self.experts).__name__} with "
+                f"{type(self.prepare_finalize).__name__} routes "
+                f"{tuple(hidden_states.shape)} on {hidden_states.device} by "
+                f"top-k ids only: call forward()"
+            )
+        expected = (tokens, moe.num_experts)
+        if (
+            tuple(router_logits.shape) != expected
+            or router_logits.dtype != moe.in_dtype
+            or router_logits.device != hidden_states.device
+        ):
+            raise ValueError(
+                f"router_logits: expected {expected} (tokens, global experts) "
+                f"{moe.in_dtype} on {hidden_states.device}, got "
+                f"{tuple(router_logits.shape)} {router_logits.dtype} on "
+                f"{router_logits.device}"
+            )
+        output, _, workspace2 = self._buffers(tokens, tokens, hidden_states.device)
+        self.experts.apply_routed(
+            output, hidden_states, router_logits, renormalize, expert_map, workspace2
+        )
+        return output
+
+    def _buffers(
+        self, rows: int, capacity: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output for the experts' ``rows`` input rows and their two
+        workspaces, sized for ``capacity`` tokens."""
+        moe = self.experts.moe
+        shape13, shape2, out_shape = self.experts.workspace_shapes(
+            capacity,
+            moe.w13_rows,
+            moe.hidden_size,
+            moe.experts_per_token,
+            moe.num_experts,
+            moe.num_local_experts,
+        )
+        dtype = self.experts.workspace_dtype(moe.in_dtype)
+        workspace13, workspace2 = get_workspace_buffers(
+            device, (shape13, dtype), (shape2, dtype)
+        )
+        # The output outlives the workspace views (the next layer reuses
+        # them); its rows are the experts' input rows, not the capacity.
+        output = torch.empty((rows, *out_shape[1:]), dtype=moe.in_dtype, device=device)
+        return output, workspace13, workspace2

@@ -9,6 +9,7 @@ from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_reference
 from vllm.model_executor.kernels.common.router_topk import (
+    rms_norm_router_logits,
     rms_norm_router_topk,
     router_topk,
     router_topk_applies,
@@ -66,16 +67,25 @@ def gated_topk(
     if runs_gpu_kernels(hidden_states):
         counter = get_lock_buffer("router_topk", 1, hidden_states.device)
         rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
-        dtype = hidden_states.dtype
-        fits = _router_fits(hidden_states, gate_weight)
-        if fits and router_topk_applies(rows, num_experts, dtype):
+        if _router_fits(hidden_states, gate_weight) and router_topk_applies(
+            rows, num_experts, hidden_states.dtype
+        ):
             return router_topk(hidden_states, gate_weight, topk, renormalize, counter)
-        with_pdl = pdl(hidden_states.device)
-        if fits and skinny_gemm_applies(rows, num_experts, dtype, with_pdl):
-            logits = skinny_gemm(hidden_states, gate_weight)
-            return fused_topk(hidden_states, logits, topk, renormalize)
-    logits = F.linear(hidden_states, gate_weight)
+    logits = router_logits(hidden_states, gate_weight)
     return fused_topk(hidden_states, logits, topk, renormalize)
+
+
+def router_logits(
+    hidden_states: torch.Tensor, gate_weight: torch.Tensor
+) -> torch.Tensor:
+    """``hidden_states @ gate_weight.T`` in their dtype: ``skinny_gemm`` on a
+    GPU where it applies, else ``F.linear``."""
+    if runs_gpu_kernels(hidden_states) and _router_fits(hidden_states, gate_weight):
+        rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
+        with_pdl = pdl(hidden_states.device)
+        if skinny_gemm_applies(rows, num_experts, hidden_states.dtype, with_pdl):
+            return skinny_gemm(hidden_states, gate_weight)
+    return F.linear(hidden_states, gate_weight)
 
 
 def _router_fits(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> bool:
@@ -101,18 +111,53 @@ def rms_norm_gated_topk(
     a GPU at one token the add and the norm run inside the router's kernel
     (``rms_norm_router_topk``: a decoder layer's post-attention norm costs
     no launch); otherwise the norm's kernel (its reference on CPU) first."""
-    if runs_gpu_kernels(hidden_states):
-        rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
-        if _router_fits(hidden_states, gate_weight) and router_topk_applies(
-            rows, num_experts, hidden_states.dtype
-        ):
-            counter = get_lock_buffer("router_topk", 1, hidden_states.device)
-            return rms_norm_router_topk(
-                hidden_states, residual, norm_weight, eps, gate_weight, topk,
-                renormalize, counter,
-            )  # fmt: skip
-        normed, total = rms_norm(hidden_states, norm_weight, eps, residual)
-    else:
-        normed, total = rms_norm_reference(hidden_states, norm_weight, eps, residual)
-    assert total is not None
+    if _norm_in_router(hidden_states, gate_weight):
+        counter = get_lock_buffer("router_topk", 1, hidden_states.device)
+        return rms_norm_router_topk(
+            hidden_states, residual, norm_weight, eps, gate_weight, topk,
+            renormalize, counter,
+        )  # fmt: skip
+    normed, total = _rms_norm(hidden_states, residual, norm_weight, eps)
     return (*gated_topk(normed, gate_weight, topk, renormalize), normed, total)
+
+
+def rms_norm_gated_logits(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_gated_topk` without the routing, for experts whose
+    kernels route from the logits: ``(router logits, the normalized rows,
+    hidden_states + residual)``; at one token on a GPU one launch
+    (``rms_norm_router_logits``)."""
+    if _norm_in_router(hidden_states, gate_weight):
+        return rms_norm_router_logits(
+            hidden_states, residual, norm_weight, eps, gate_weight
+        )
+    normed, total = _rms_norm(hidden_states, residual, norm_weight, eps)
+    return router_logits(normed, gate_weight), normed, total
+
+
+def _norm_in_router(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    """Whether the residual add and the norm run in the router's kernel."""
+    return (
+        runs_gpu_kernels(hidden_states)
+        and _router_fits(hidden_states, gate_weight)
+        and router_topk_applies(
+            hidden_states.shape[0], gate_weight.shape[0], hidden_states.dtype
+        )
+    )
+
+
+def _rms_norm(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = rms_norm if runs_gpu_kernels(hidden_states) else rms_norm_reference
+    normed, total = norm(hidden_states, norm_weight, eps, residual)
+    assert total is not None
+    return normed, total

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     act_groups,
@@ -48,6 +49,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8_reference,
     interleave_gate_up,
     moe_decode,
+    moe_decode_routed,
     moe_gemm_kernels,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
@@ -106,6 +108,40 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         # workspace2: GEMM1's bf16 activation (per-row path), then GEMM2's rows.
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        return (
+            runs_gpu_kernels(hidden_states)
+            and hidden_states.shape[0] <= self.decode_max_tokens
+            and self.moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+        )
+
+    def apply_routed(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows = hidden_states.shape[0] * moe.experts_per_token
+        act = carve(workspace2, (rows, moe.intermediate_size), output.dtype)
+        moe_decode_routed(
+            hidden_states,
+            router_logits,
+            moe.experts_per_token,
+            renormalize,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            expert_map,
+            moe.activation,
+            act,
+            output,
+        )
 
     def apply(
         self,

@@ -35,6 +35,7 @@ from vllm.model_executor.kernels.common.device_info import (
     is_hopper,
     runs_gpu_kernels,
 )
+from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
@@ -44,6 +45,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_reference,
     interleave_gate_up,
     moe_decode,
+    moe_decode_routed,
 )
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts.unquantized import (
@@ -91,6 +93,40 @@ class TritonExperts(UnquantizedExperts):
 
     def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return deinterleave_gate_up(self.w13), self.w2
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        return (
+            runs_gpu_kernels(hidden_states)
+            and hidden_states.shape[0] <= self.decode_max_tokens
+            and self.moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+        )
+
+    def apply_routed(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows = hidden_states.shape[0] * moe.experts_per_token
+        act = carve(workspace2, (rows, moe.intermediate_size), output.dtype)
+        moe_decode_routed(
+            hidden_states,
+            router_logits,
+            moe.experts_per_token,
+            renormalize,
+            self.w13,
+            None,
+            self.w2,
+            None,
+            expert_map,
+            moe.activation,
+            act,
+            output,
+        )
 
     def apply(
         self,
