@@ -9,7 +9,11 @@ and fp8 weights, :mod:`~vllm.model_executor.kernels.marlin.moe_decode` for
 uint4 ones), on the same
 launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
 1 token with the router's GEMM and routing as two kernels
-(``skinny_gemm`` + ``topk_softmax``), and on the sorted path; the bound
+(``skinny_gemm`` + ``topk_softmax``), and on the sorted path; where the
+experts route from logits, also as the model calls it (``forward_normed``:
+the residual add and RMSNorm first, in the router's GEMM at 1 token), the
+routing by ids (``normed ids``) or in the decode kernels (``normed
+routed``); the bound
 (the router's and the distinct routed experts' weights read once at the
 copy bandwidth measured in the same run), the ratios to it, and the kernel
 launches per call and the decode path's kernels with their device times
@@ -70,7 +74,12 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
 )
-from vllm.model_executor.layers.fused_moe.routing import fused_topk, gated_topk
+from vllm.model_executor.layers.fused_moe.routing import (
+    fused_topk,
+    gated_topk,
+    rms_norm_gated_logits,
+    rms_norm_gated_topk,
+)
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 SCHEMES = {
@@ -93,6 +102,9 @@ class Row:
     decode_us: float
     decode_no_pdl_us: float
     split_router_us: float | None  # 1 token, where router_topk applies
+    # the model's call (forward_normed), where the experts route from logits
+    normed_ids_us: float | None
+    normed_routed_us: float | None
     sorted_us: float
     decode_kernels: list[tuple[str, float]]  # eager, without PDL: name, us
     sorted_launches: int
@@ -169,6 +181,24 @@ def bench(
         x = hidden[it]
         kernel.forward(x, *fused_topk(x, skinny_gemm(x, gate), args.topk, True))
 
+    residual = torch.randn_like(hidden)
+    norm_weight = (torch.rand(k, device=device) + 0.5).bfloat16()
+
+    def normed(routed: bool) -> Callable[[int], None]:
+        def step(it: int) -> None:
+            experts.decode_max_tokens = tokens
+            x, r = hidden[it], residual[it]
+            if routed:
+                logits, h, _ = rms_norm_gated_logits(x, r, norm_weight, 1e-6, gate)
+                kernel.forward_routed(h, logits, True)
+            else:
+                w, ids, h, _ = rms_norm_gated_topk(
+                    x, r, norm_weight, 1e-6, gate, args.topk, True
+                )
+                kernel.forward(h, w, ids)
+
+        return step
+
     steps = {
         "decode": layer(True),
         "decode_no_pdl": layer(True, with_pdl=False),
@@ -176,6 +206,9 @@ def bench(
     }
     if router_topk_applies(tokens, e, torch.bfloat16):
         steps["split_router"] = split_router
+    experts.decode_max_tokens = tokens
+    if kernel.routes_from_logits(hidden[0]):
+        steps["normed_ids"], steps["normed_routed"] = normed(False), normed(True)
     times = time_graphs_us(steps, ITERS)
     kernels = {n: profile_kernels(steps[n]) for n in ("decode_no_pdl", "sorted")}
     ids = [gated_topk(hidden[it], gate, args.topk, True)[1] for it in range(ITERS)]
@@ -190,7 +223,8 @@ def bench(
     bound_us = (distinct * expert_bytes + e * k * 2) / (bandwidth * 1e9) * 1e6
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["decode_no_pdl"],
-        times.get("split_router"), times["sorted"], kernels["decode_no_pdl"],
+        times.get("split_router"), times.get("normed_ids"),
+        times.get("normed_routed"), times["sorted"], kernels["decode_no_pdl"],
         len(kernels["sorted"]),
     )  # fmt: skip
     if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
@@ -313,14 +347,19 @@ def main() -> None:
     print(
         f"{'weights':<7} {'tokens':>6} {'experts':>7} {'bound us':>9} "
         f"{'decode us':>10} {'x bound':>8} {'no PDL us':>10} {'2-kernel router':>15} "
+        f"{'normed ids':>10} {'normed routed':>13} "
         f"{'sorted us':>10} {'x bound':>8} {'launches':>9}"
     )
+
+    def us(t: float | None) -> str:
+        return "-" if t is None else f"{t:.1f}"
+
     for r in rows:
         print(
             f"{r.weights:<7} {r.tokens:>6} {r.distinct_experts:>7.1f} "
             f"{r.bound_us:>9.1f} {r.decode_us:>10.1f} {r.decode_ratio:>8.2f} "
-            f"{r.decode_no_pdl_us:>10.1f} "
-            f"{'-' if r.split_router_us is None else f'{r.split_router_us:.1f}':>15} "
+            f"{r.decode_no_pdl_us:>10.1f} {us(r.split_router_us):>15} "
+            f"{us(r.normed_ids_us):>10} {us(r.normed_routed_us):>13} "
             f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
             f"{len(r.decode_kernels):>4}/{r.sorted_launches:<4}"
         )

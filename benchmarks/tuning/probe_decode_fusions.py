@@ -8,10 +8,12 @@ step loses without it. Each variant patches the model before the engine
 builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 
 - ``baseline``: the model as it ships.
-- ``routing free``: the router's GEMM (with its norm prologue) without the
-  softmax / top-k tail of its last program; every token routes to experts
-  0..7. Against ``baseline``: the routing's cost (what moving it into the
-  MoE GEMMs could save at most).
+- ``routing by ids``: the router's kernel routes (top-k in its last
+  program) and hands ids to the experts, as before the decode kernels
+  routed from the logits themselves: against ``baseline``, what that saved.
+- ``routing free``: the decode kernels on a constant routing (experts
+  0..7), the router's GEMM (with its norm prologue) still run: against
+  ``baseline``, what the routing still costs inside the decode kernels.
 - ``... no q/k norm + RoPE``: the per-head norm, rotation and KV-cache store
   left out (what fusing them into attention or q/k/v could save at most).
 - ``... no split combine``: attention's split-KV partials never merged.
@@ -46,28 +48,33 @@ import torch
 from benchmarks.benchmark_latency import measure_latency
 from vllm import LLM
 from vllm.benchmarks.presets import write_preset_config
-from vllm.model_executor.kernels.common import skinny_gemm
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
-from vllm.model_executor.layers.fused_moe import routing
+from vllm.model_executor.kernels.grouped_gemm import decode
+from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm.model_executor.models import qwen3_moe
 from vllm.v1.attention.backends import triton_paged
 
 PRESET, LAYERS, TOPK = "qwen3-30b-a3b", 48, 8
-ROUTER_TILE = (2, 2048)  # router_topk's weight rows x K per program
+
+
+def _routing_by_ids() -> None:
+    FusedMoEModularKernel.routes_from_logits = (  # type: ignore[method-assign]
+        lambda self, hidden_states: False
+    )
 
 
 def _routing_free() -> None:
-    weights = torch.full((1, TOPK), 1 / TOPK, device="cuda")
-    ids = torch.arange(TOPK, dtype=torch.int32, device="cuda")[None]
+    weights = torch.full((8, TOPK), 1 / TOPK, device="cuda")
+    ids = torch.arange(TOPK, dtype=torch.int32, device="cuda").expand(8, -1)
+    real = decode._launch
 
-    def router(x, residual, norm_weight, eps, gate_weight, topk, renormalize, counter):
-        assert topk == TOPK
-        total = torch.empty_like(x)
-        norm = (residual, norm_weight, total, eps)
-        skinny_gemm._launch(x, gate_weight, *ROUTER_TILE, norm)  # logits unused
-        return weights, ids, total, total  # the experts take the sum
+    def constant(x, topk, routing, *args):
+        if routing[2] is not None:  # the logits: route to experts 0..7 instead
+            rows = x.shape[0]
+            routing = (ids[:rows], weights[:rows], None, False)
+        return real(x, topk, routing, *args)
 
-    routing.rms_norm_router_topk = router
+    decode._launch = constant
 
 
 def _no_qk_norm_rope() -> None:
@@ -108,6 +115,7 @@ def _one_kernel_more() -> None:
 
 VARIANTS: dict[str, tuple[Callable[[], None], ...]] = {
     "baseline": (),
+    "routing by ids": (_routing_by_ids,),
     "routing free": (_routing_free,),
     "routing free, no q/k norm + RoPE": (_routing_free, _no_qk_norm_rope),
     "routing free, no split combine": (_routing_free, _no_split_combine),

@@ -27,11 +27,11 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     QuantScheme,
 )
+from vllm.model_executor.layers.fused_moe.experts import triton_moe
 from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
-from vllm.model_executor.layers.fused_moe.experts import triton_moe
 from vllm.model_executor.layers.fused_moe.experts.triton_fp8_moe import TritonExpertsFp8
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.layer import (
@@ -159,6 +159,7 @@ def test_the_normed_forward_equals_the_norm_then_the_layer(
     moe = moe_config(device, experts_per_token=4)
     layer = make_layer(moe, device, backend="triton", seed=9)
     if not routed:
+        assert layer.kernel is not None
         monkeypatch.setattr(layer.kernel.experts, "routes_from_logits", lambda t: False)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
     gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)

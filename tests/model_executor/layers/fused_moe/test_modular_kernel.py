@@ -145,9 +145,9 @@ def test_routed_forward_is_the_forward_of_its_routing(
         monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
     torch.manual_seed(tokens + ep_size)
     moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=4)
+    w13, w2 = random_weights(moe, device)
     kernel = FusedMoEModularKernel(
-        MoEPrepareAndFinalizeNoEP(),
-        make_experts(moe, *random_weights(moe, device), backend),
+        MoEPrepareAndFinalizeNoEP(), make_experts(moe, w13, w2, backend)
     )
     hidden = torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
     logits = torch.randn(tokens, moe.num_experts, device=device).to(moe.in_dtype)
