@@ -6,6 +6,7 @@ expert, and carries invalid ids (negative, past E) and, under
 ``expert_map``, remote experts; ``act`` rows of routes without a local
 expert must stay untouched (poisoned). CPU runs use fp16 (the interpreter's
 bf16 rounds by truncation) at tiny sizes; ``gpu`` tests use model sizes.
+The kernels routing from the router's logits themselves: the same.
 """
 
 import functools
@@ -13,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
@@ -21,6 +23,8 @@ from vllm.model_executor.kernels.marlin.moe_decode import (
     decode_fits_topk,
     marlin_moe_decode,
     marlin_moe_decode_reference,
+    marlin_moe_decode_routed,
+    marlin_moe_decode_routed_reference,
 )
 
 POISON = float("nan")
@@ -318,4 +322,92 @@ def test_gpu_cuda_graph_replay_with_new_routing():
         ref = torch.empty_like(out)
         marlin_moe_decode_reference(x, ids, tw, w13, s13, w2, s2, None, "silu", 128,
                                     act, ref)  # fmt: skip
+        _close(out, ref, 2e-2)
+
+
+def _distinct_logits(tokens: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """16-bit logits without ties (multiples of 1/8): one correct routing."""
+    rows = [torch.randperm(experts, generator=gen) for _ in range(tokens)]
+    return ((torch.stack(rows) - experts / 2) / 8).half()
+
+
+def _run_routed(tokens, hidden, inter, experts, topk, dtype, device, renormalize,
+                expert_map=None, config=None, w4a8=False):  # fmt: skip
+    gen = torch.Generator().manual_seed(tokens + topk)
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device, w4a8=w4a8)
+    num_ids = experts if expert_map is None else len(expert_map)
+    logits = _distinct_logits(tokens, num_ids, gen).to(device, dtype)
+    x = (torch.randn(tokens, hidden, generator=gen) / 4).to(device, dtype)
+    emap = None if expert_map is None else expert_map.to(device)
+    act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
+    out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
+    args = (x, logits, topk, renormalize, w13, s13, w2, s2, emap, "silu", 128)
+    marlin_moe_decode_routed(*args, act, out, config)
+    ref = marlin_moe_decode_routed_reference(*args, act.clone(), torch.empty_like(out))
+    return out, ref, act, logits
+
+
+@pytest.mark.parametrize("w4a8", [False, True], ids=["marlin", "w4a8"])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_routed_matches_reference(device, w4a8, mapped):
+    """Routing from the logits in both kernels: the reference's routing
+    (softmax top-k, renormalized or not), local experts only under a map
+    (their act rows written, the others' left poisoned)."""
+    expert_map = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32) if mapped else None
+    for renormalize in (True, False):
+        out, ref, act, logits = _run_routed(
+            2, 256, 128, 3, 3, torch.float16, device, renormalize, expert_map,
+            CPU_CONFIG, w4a8,
+        )  # fmt: skip
+        _close(out, ref, 2e-3)
+        _, ids = top_routes_reference(logits, 3, renormalize)
+        local = _local(ids, 3, expert_map).flatten().to(act.device)
+        assert bool(torch.isnan(act[~local]).all())
+        assert not bool(torch.isnan(act[local]).any())
+
+
+def test_routed_bad_inputs_are_named(device):
+    w13, s13, w2, s2 = _weights(2, 128, 128, torch.float16, device)
+    x = torch.randn(1, 128, device=device).half()
+    logits = torch.randn(1, 2, device=device).half()
+    act = torch.empty(2, 128, dtype=torch.float16, device=device)
+    out = torch.empty(1, 128, dtype=torch.float16, device=device)
+    weights = (w13, s13, w2, s2)
+    too_many = torch.zeros(1025, dtype=torch.int32, device=device)
+    for name, bad_logits, topk, emap in (
+        ("logits", logits.float(), 2, None),  # 16-bit only: the packed keys
+        ("logits", logits[:, :1], 2, None),
+        ("topk", logits, 3, None),
+        ("act", logits, 2, None),  # 1 row for 2 routes
+        ("expert_map", logits, 2, too_many),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            marlin_moe_decode_routed(x, bad_logits, topk, True, *weights, emap,
+                                     "silu", 128, act[:1], out, CPU_CONFIG)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_routed_graph_replay_with_new_logits():
+    """Model sizes, bf16, the shipped config, new logits each replay."""
+    dev = torch.device("cuda")
+    tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.bfloat16, dev, seed=4)
+    x = torch.randn(tokens, hidden, device=dev).bfloat16()
+    logits = torch.zeros(tokens, experts, dtype=torch.bfloat16, device=dev)
+    act = torch.empty(tokens * topk, inter, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
+    args = (x, logits, topk, True, w13, s13, w2, s2, None, "silu", 128, act)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        marlin_moe_decode_routed(*args, out)  # compile outside capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        marlin_moe_decode_routed(*args, out)
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        logits.copy_(_distinct_logits(tokens, experts, gen))
+        out.fill_(POISON)
+        graph.replay()
+        ref = marlin_moe_decode_routed_reference(*args, torch.empty_like(out))
         _close(out, ref, 2e-2)

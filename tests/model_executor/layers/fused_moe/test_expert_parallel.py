@@ -6,7 +6,8 @@ on the host, uneven token counts, a rank with no tokens, every route to
 one rank, experts not divisible by ranks); linear placement and its expert
 map; each rank loads only its experts; no workspace growth after lock
 whatever the routing; a killed worker makes the others fail with a named
-error within the timeout.
+error within the timeout; tensor-parallel experts routing from logits at
+decode sizes still sum the ranks' outputs.
 """
 
 import os
@@ -30,13 +31,22 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.forward_context import DPMetadata, set_forward_context
+from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.expert_placement import ExpertPlacement
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.experts import triton_moe
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE, make_experts
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEModularKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
 from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
     get_moe_permute_scratch,
 )
 from vllm.model_executor.layers.fused_moe.prepare_finalize import ALL2ALL_BACKENDS
+from vllm.model_executor.layers.fused_moe.prepare_finalize.replicated import (
+    MoEPrepareAndFinalizeReplicated,
+)
 from vllm.v1.worker.workspace import (
     WorkspaceLockedError,
     init_workspace_manager,
@@ -319,3 +329,47 @@ def test_a_killed_worker_makes_the_others_fail_within_the_timeout():
         assert r["step"] == 2, r
         assert r["waited"] < 10.0
         assert "in the ep group (ranks [0, 1, 2]) failed" in r["error"]
+
+
+def _routed_replicated_worker(rank: int, world_size: int, port: int) -> list[float]:
+    """Decode kernels routing from the logits (the interpreter's), each rank
+    its experts of the same tokens, then the all-reduce: the single-process
+    output, as the routing by ids gives it (errors relative to it)."""
+    ep_world(rank, world_size, port)
+    init_workspace_manager("cpu")
+    try:
+        triton_moe.runs_gpu_kernels = lambda t: True
+        dims = dict(num_experts=8, experts_per_token=2, hidden_size=HIDDEN,
+                    intermediate_size=INTER, in_dtype=torch.bfloat16)  # fmt: skip
+        moe = FusedMoEConfig(**dims, ep_size=world_size, ep_rank=rank)  # type: ignore[arg-type]
+        w13, w2 = (w.bfloat16() for w in full_weights(8))
+        mine = slice(
+            moe.placement.local_experts.start, moe.placement.local_experts.stop
+        )
+        experts = make_experts(moe, w13[mine], w2[mine], "triton")
+        group = MoEPrepareAndFinalizeReplicated(get_ep_group())
+        kernel = FusedMoEModularKernel(group, experts)
+        one_process = make_experts(FusedMoEConfig(**dims), w13, w2, "triton")  # type: ignore[arg-type]
+        single = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), one_process)
+        g = torch.Generator().manual_seed(world_size)  # the same on every rank
+        hidden = torch.randn(3, HIDDEN, generator=g).bfloat16()
+        logits = torch.randn(3, 8, generator=g).bfloat16()
+        assert kernel.routes_from_logits(hidden)
+        weights, ids = top_routes_reference(logits, 2, True)
+        expected = single.forward(hidden, weights, ids).float()
+        expert_map = moe.make_expert_map("cpu")
+        outs = (
+            kernel.forward_routed(hidden, logits, True, expert_map),
+            kernel.forward(hidden, weights, ids, expert_map),
+        )
+        scale = expected.abs().max()
+        return [((out.float() - expected).abs().max() / scale).item() for out in outs]
+    finally:
+        reset_workspace_manager()
+        destroy_distributed_environment()
+
+
+def test_tensor_parallel_routed_decode_sums_the_ranks():
+    per_rank = values(run_workers(_routed_replicated_worker, 2))
+    for rank, (routed, by_ids) in enumerate(per_rank):
+        assert routed < 2e-2 and by_ids < 2e-2, f"rank {rank}: {routed}, {by_ids}"

@@ -11,6 +11,7 @@ import torch
 from tests.model_executor.layers.fused_moe.utils import (
     CUDA,
     HOPPER,
+    RELOAD_SCHEMES,
     SCHEMES,
     TOLERANCE,
     UNQUANTIZED,
@@ -21,7 +22,12 @@ from tests.model_executor.layers.fused_moe.utils import (
     relative_error,
 )
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
-from vllm.model_executor.layers.fused_moe.experts import triton_fp8_moe, triton_moe
+from vllm.model_executor.layers.fused_moe.experts import (
+    fused_marlin_moe,
+    triton_fp8_moe,
+    triton_moe,
+    triton_w4a8_moe,
+)
 from vllm.model_executor.layers.fused_moe.experts.grouped_mm_moe import (
     GroupedMMExperts,
 )
@@ -128,11 +134,16 @@ def test_bad_inputs_are_named(workspace_init, device):
             kernel.forward(*args)
 
 
-ROUTED = ["triton", "triton_fp8"] if HOPPER else ["triton"] if not CUDA else []
+# Experts whose decode kernels route from logits (uint4 ones in either packing).
+ROUTED = [
+    *(["triton", "triton_fp8"] if HOPPER else ["triton"] if not CUDA else []),
+    "marlin",
+    "triton_w4a8",
+]
 
 
 @pytest.mark.parametrize("backend", ROUTED)
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 3, None])  # None: the decode path's most
 @pytest.mark.parametrize("ep_size", [1, 4])
 def test_routed_forward_is_the_forward_of_its_routing(
     workspace_init, device, monkeypatch, backend, tokens, ep_size
@@ -141,18 +152,27 @@ def test_routed_forward_is_the_forward_of_its_routing(
     ``forward`` of the logits' routing (softmax top-k, ties to the lower
     id), local experts only under an expert map; on the CPU through the
     interpreter."""
-    for module in (triton_moe, triton_fp8_moe):
+    for module in (triton_moe, triton_fp8_moe, fused_marlin_moe, triton_w4a8_moe):
         monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
-    torch.manual_seed(tokens + ep_size)
-    moe = moe_config(device, ep_size, SCHEMES[backend], experts_per_token=4)
+    torch.manual_seed(ep_size)
+    # uint4 scales come in groups of 128 along both GEMMs' K
+    moe = moe_config(
+        device, ep_size, RELOAD_SCHEMES[backend], experts_per_token=4,
+        **({"intermediate_size": 128} if device.type == "cpu" else {}),
+    )  # fmt: skip
     w13, w2 = random_weights(moe, device)
     kernel = FusedMoEModularKernel(
         MoEPrepareAndFinalizeNoEP(), make_experts(moe, w13, w2, backend)
     )
+    decode_max = type(kernel.experts).decode_max_tokens  # type: ignore[attr-defined]
+    tokens = tokens or decode_max
     hidden = torch.randn(tokens, moe.hidden_size, device=device, dtype=moe.in_dtype)
     logits = torch.randn(tokens, moe.num_experts, device=device).to(moe.in_dtype)
     expert_map = moe.make_expert_map(device)
     assert kernel.routes_from_logits(hidden)
+    assert not kernel.routes_from_logits(
+        hidden.new_zeros(decode_max + 1, hidden.shape[1])
+    )
     for renormalize in (True, False):
         out = kernel.forward_routed(hidden, logits, renormalize, expert_map)
         weights, ids = top_routes_reference(logits, 4, renormalize)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.checks import arg_error, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 
 
@@ -128,6 +129,44 @@ def top_routes(
         else:
             weights = weights / tl.sum(tl.exp(x - largest), 0)
     return ids, weights
+
+
+@triton.jit
+def route_expert(
+    row, num_experts, topk, slot, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr
+):
+    """The expert id of route ``slot`` of :func:`top_routes`."""
+    ids, _ = top_routes(row, num_experts, topk, False, False, BLOCK_E, BLOCK_R)
+    return tl.sum(tl.where(tl.arange(0, BLOCK_R) == slot, ids, 0), 0)
+
+
+def check_router_logits(
+    logits: torch.Tensor,
+    tokens: int,
+    topk: int,
+    num_ids: int,
+    device: torch.device,
+    ids_name: str,
+) -> None:
+    """Raise naming the argument unless kernels routing by
+    :func:`top_routes` take ``logits`` [tokens, num_ids] and ``topk``;
+    ``ids_name``: the argument that sets ``num_ids`` (the weights or the
+    expert map)."""
+    if num_ids > TOP_ROUTES_MAX_EXPERTS:
+        raise arg_error(
+            ids_name, f"at most {TOP_ROUTES_MAX_EXPERTS} experts to route among, "
+            f"got {num_ids}",
+        )  # fmt: skip
+    if logits.dim() != 2 or logits.shape[0] != tokens:
+        raise arg_error(
+            "logits", f"[{tokens}, {num_ids}] (tokens, experts), got "
+            f"{tuple(logits.shape)}",
+        )  # fmt: skip
+    # 16-bit logits: top_routes packs each with its expert id in an int32.
+    dtypes = (torch.bfloat16, torch.float16)
+    check_rows("logits", logits, tokens, num_ids, dtypes, device)
+    if not 1 <= topk <= num_ids:
+        raise arg_error("topk", f"1..{num_ids}, got {topk}")
 
 
 def top_routes_reference(

@@ -53,7 +53,8 @@ from vllm.model_executor.kernels.common.checks import (
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.topk_softmax import (
-    TOP_ROUTES_MAX_EXPERTS,
+    check_router_logits,
+    route_expert,
     top_routes,
     top_routes_reference,
 )
@@ -101,11 +102,10 @@ def _decode_gated_kernel(
     token = route // topk
     # The route's local expert; num_local for an invalid or remote one.
     if ROUTED:
-        ids, _ = top_routes(
-            logits_ptr + token * stride_logits, num_experts, topk, False, False,
+        chosen = route_expert(
+            logits_ptr + token * stride_logits, num_experts, topk, route % topk,
             BLOCK_E, BLOCK_R,
         )  # fmt: skip
-        chosen = tl.sum(tl.where(tl.arange(0, BLOCK_R) == route % topk, ids, 0), 0)
         expert = local_expert(
             chosen, route < tl.num_programs(0), map_ptr, num_experts, num_local,
             HAS_MAP,
@@ -329,32 +329,6 @@ def _check_routing(
     check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
 
 
-def _check_logits(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    topk: int,
-    w13: torch.Tensor,
-    expert_map: torch.Tensor | None,
-) -> None:
-    tokens, device = x.shape[0], x.device
-    num_ids = len(w13) if expert_map is None else len(expert_map)
-    if num_ids > TOP_ROUTES_MAX_EXPERTS:
-        raise arg_error(
-            "w13" if expert_map is None else "expert_map",
-            f"at most {TOP_ROUTES_MAX_EXPERTS} experts to route among, got {num_ids}",
-        )
-    if logits.dim() != 2 or logits.shape[0] != tokens:
-        raise arg_error(
-            "logits", f"[{tokens}, {num_ids}] (tokens, experts), got "
-            f"{tuple(logits.shape)}",
-        )  # fmt: skip
-    # 16-bit logits: top_routes packs each with its expert id in an int32.
-    dtypes = (torch.bfloat16, torch.float16)
-    check_rows("logits", logits, tokens, num_ids, dtypes, device)
-    if not 1 <= topk <= num_ids:
-        raise arg_error("topk", f"1..{num_ids}, got {topk}")
-
-
 def moe_decode(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -399,7 +373,10 @@ def moe_decode_routed(
     ``logits`` [T, E] (16-bit, unit stride over experts), which both
     kernels compute themselves (:func:`~.common.topk_softmax.top_routes`):
     the routing costs no launch and no round trip of ids."""
-    _check_logits(x, logits, topk, w13, expert_map)
+    check_router_logits(
+        logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device,
+        "w13" if expert_map is None else "expert_map",
+    )  # fmt: skip
     _check(x, topk, w13, w13_scale, w2, w2_scale, expert_map, activation, act, out)
     routing = (None, None, logits, renormalize)
     return _launch(x, topk, routing, w13, w13_scale, w2, w2_scale, expert_map,
@@ -432,9 +409,7 @@ def _launch(
         ids = weights = logits
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
-    inter, num_ids = w13.shape[1] // 2, w13.shape[0]
-    if expert_map is not None:
-        num_ids = expert_map.numel()
+    inter, num_ids = w13.shape[1] // 2, _num_ids(w13, expert_map)
     if tokens == 0:
         return out
     map_arg = expert_map if expert_map is not None else ids
@@ -463,6 +438,11 @@ def _launch(
         num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
+
+
+def _num_ids(w13: torch.Tensor, expert_map: torch.Tensor | None) -> int:
+    """The expert ids a route may name: global under an expert map."""
+    return len(w13) if expert_map is None else len(expert_map)
 
 
 def moe_decode_reference(
@@ -518,7 +498,10 @@ def moe_decode_routed_reference(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """:func:`moe_decode_routed` in plain PyTorch."""
-    _check_logits(x, logits, topk, w13, expert_map)
+    check_router_logits(
+        logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device,
+        "w13" if expert_map is None else "expert_map",
+    )  # fmt: skip
     weights, ids = top_routes_reference(logits, topk, renormalize)
     return moe_decode_reference(x, ids, weights, w13, w13_scale, w2, w2_scale,
                                 expert_map, activation, act, out)  # fmt: skip

@@ -49,10 +49,16 @@ from vllm.model_executor.kernels.common.activation_quant import (
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.topk_softmax import (
+    check_router_logits,
+    route_expert,
+    top_routes,
+    top_routes_reference,
+)
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
-from vllm.model_executor.kernels.moe_permute.sort import route_bucket
+from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
 
 
 @triton.jit(do_not_specialize=["stride_wn", "stride_sn"])
@@ -76,6 +82,8 @@ def _gated_kernel(
     stride_se,
     stride_sn,  # unspecialized (see dot_rows)
     stride_sg,  # from one group's scales to the next
+    logits_ptr,  # ROUTED: [T, num_experts] 16-bit
+    stride_logits,
     HAS_MAP: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,  # rows gate 0, up 0, ... (W4A8's w13)
     NIBBLES_IN_ORDER: tl.constexpr,
@@ -88,14 +96,26 @@ def _gated_kernel(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTED: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    pdl_wait(PDL)  # the routing is the previous kernel's
+    pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = tl.program_id(0)
     token = route // topk
-    expert = route_bucket(
-        ids_ptr, map_ptr, token * stride_ids + route % topk, route >= 0,
-        num_experts, num_local, HAS_MAP,
-    )  # fmt: skip
+    if ROUTED:
+        chosen = route_expert(
+            logits_ptr + token * stride_logits, num_experts, topk, route % topk,
+            BLOCK_E, BLOCK_R,
+        )  # fmt: skip
+        expert = local_expert(
+            chosen, route >= 0, map_ptr, num_experts, num_local, HAS_MAP
+        )
+    else:
+        expert = route_bucket(
+            ids_ptr, map_ptr, token * stride_ids + route % topk, route >= 0,
+            num_experts, num_local, HAS_MAP,
+        )  # fmt: skip
     if expert < num_local:
         pair = tl.arange(0, 2 * BLOCK_N)
         # Columns past I repeat the last (not stored).
@@ -145,6 +165,8 @@ def _down_sum_kernel(
     stride_se,
     stride_sn,  # unspecialized (see dot_rows)
     stride_sg,  # from one group's scales to the next
+    logits_ptr,  # ROUTED: [T, num_experts] 16-bit
+    stride_logits,
     HAS_MAP: tl.constexpr,
     NIBBLES_IN_ORDER: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -154,6 +176,9 @@ def _down_sum_kernel(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTED: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     # Weight row r of the program: the token's route r // BLOCK_N, output
     # column r % BLOCK_N. The routing is two launches back (readable before
@@ -163,10 +188,26 @@ def _down_sum_kernel(
     r = tl.arange(0, TOPK * BLOCK_N)
     slot = r // BLOCK_N
     cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    expert = route_bucket(
-        ids_ptr, map_ptr, token * stride_ids + slot, slot < topk, num_experts,
-        num_local, HAS_MAP,
-    )  # fmt: skip
+    if ROUTED:
+        # The token's routes, then each spread over its BLOCK_N rows.
+        ids, weights = top_routes(
+            logits_ptr + token * stride_logits, num_experts, topk, RENORMALIZE,
+            True, BLOCK_E, TOPK,
+        )  # fmt: skip
+        ids = tl.reshape(
+            tl.broadcast_to(ids[:, None], (TOPK, BLOCK_N)), (TOPK * BLOCK_N,)
+        )
+        route_weights = tl.reshape(
+            tl.broadcast_to(weights[:, None], (TOPK, BLOCK_N)), (TOPK * BLOCK_N,)
+        )
+        expert = local_expert(
+            ids, slot < topk, map_ptr, num_experts, num_local, HAS_MAP
+        )
+    else:
+        expert = route_bucket(
+            ids_ptr, map_ptr, token * stride_ids + slot, slot < topk, num_experts,
+            num_local, HAS_MAP,
+        )  # fmt: skip
     local = expert < num_local
     # Rows of routes without a local expert read expert 0's rows (one copy
     # for all of them: same addresses) and are dropped below; columns past
@@ -181,7 +222,10 @@ def _down_sum_kernel(
         GROUP_SIZE, 1, TOPK * BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL, X_PER_ROW=True,
         NIBBLES_IN_ORDER=NIBBLES_IN_ORDER,
     )  # fmt: skip
-    weight = tl.load(topk_weights_ptr + token * stride_weights + slot, mask=local)
+    if ROUTED:
+        weight = route_weights
+    else:
+        weight = tl.load(topk_weights_ptr + token * stride_weights + slot, mask=local)
     # A select, not a product: act rows of routes without an expert are
     # never written (they may hold anything, NaN included).
     weighted = tl.where(local, product * weight, 0.0)
@@ -230,8 +274,7 @@ def decode_fits_topk(topk: int) -> bool:
 
 def _check(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk: int,
     w13: torch.Tensor,
     w13_scales: torch.Tensor,
     w2: torch.Tensor,
@@ -300,13 +343,6 @@ def _check(
             raise arg_error(
                 name, f"a tensor at a 4-byte boundary, got offset {offset} bytes"
             )
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.shape[1]:
-        raise arg_error(
-            "topk_ids", f"[{tokens}, topk > 0], got {tuple(topk_ids.shape)}"
-        )
-    topk = topk_ids.shape[1]
-    check_rows("topk_ids", topk_ids, tokens, topk, (torch.int32, torch.int64), device)
-    check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
     if expert_map is not None:
         check_index("expert_map", expert_map, 1, device)
     if activation not in ACTIVATIONS:
@@ -315,6 +351,24 @@ def _check(
     check_rows("out", out, tokens, hidden, (x.dtype,), device)
     if out.shape[0] != tokens:
         raise arg_error("out", f"{tokens} rows (one per token), got {out.shape[0]}")
+
+
+def _check_routing(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> None:
+    tokens, device = x.shape[0], x.device
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or not topk_ids.shape[1]:
+        raise arg_error(
+            "topk_ids", f"[{tokens}, topk > 0], got {tuple(topk_ids.shape)}"
+        )
+    topk = topk_ids.shape[1]
+    check_rows("topk_ids", topk_ids, tokens, topk, (torch.int32, torch.int64), device)
+    check_rows("topk_weights", topk_weights, tokens, topk, (torch.float32,), device)
+
+
+def _num_ids(w13: torch.Tensor, expert_map: torch.Tensor | None) -> int:
+    """The expert ids a route may name: global under an expert map."""
+    return len(w13) if expert_map is None else len(expert_map)
 
 
 def _check_config(config: MarlinDecodeConfig, topk: int) -> None:
@@ -349,43 +403,109 @@ def marlin_moe_decode(
     :class:`TritonExpertsW4A8`'s (uint8 w13 [E, 2I, H // 2] interleaved, w2
     [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
     [>= T * topk, I] is scratch. Returns ``out``."""
-    _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
-           activation, group_size, act, out)  # fmt: skip
+    _check_routing(x, topk_ids, topk_weights)
+    topk = topk_ids.shape[1]
+    _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
+           group_size, act, out)  # fmt: skip
+    routing = (topk_ids, topk_weights, None, False)
+    return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
+                   activation, group_size, act, out, config)  # fmt: skip
+
+
+def marlin_moe_decode_routed(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    config: MarlinDecodeConfig | None = None,
+) -> torch.Tensor:
+    """:func:`marlin_moe_decode` of the softmax top-``topk`` routing of the
+    router's ``logits`` [T, E] (16-bit), which both kernels compute
+    themselves (:func:`~.common.topk_softmax.top_routes`)."""
+    ids_name = "w13" if expert_map is None else "expert_map"
+    check_router_logits(
+        logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device, ids_name
+    )
+    _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
+           group_size, act, out)  # fmt: skip
+    routing = (None, None, logits, renormalize)
+    return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
+                   activation, group_size, act, out, config)  # fmt: skip
+
+
+def _launch(
+    x: torch.Tensor,
+    topk: int,
+    routing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool],
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    config: MarlinDecodeConfig | None,
+) -> torch.Tensor:
+    """``routing``: (topk ids, topk weights, None, False) or (None, None,
+    the router's logits, renormalize)."""
     config = config or default_marlin_decode_config()
-    _check_config(config, topk_ids.shape[1])
+    _check_config(config, topk)
     tokens, hidden = x.shape
-    topk, inter, experts = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
+    inter, experts = w13.shape[1] // 2, w13.shape[0]
     if tokens == 0:
         return out
-    num_ids = experts if expert_map is None else expert_map.numel()
-    map_arg = expert_map if expert_map is not None else topk_ids
-    routes = tokens * topk
+    topk_ids, topk_weights, logits, renormalize = routing
+    routed = logits is not None
+    # Each kernel reads one routing; the other's pointers are placeholders.
+    if logits is None:
+        assert topk_ids is not None and topk_weights is not None
+        ids, weights, logits = topk_ids, topk_weights, topk_ids
+    else:
+        ids = weights = logits
+    num_ids = _num_ids(w13, expert_map)
+    map_arg = expert_map if expert_map is not None else ids
+    routes, block_r = tokens * topk, triton.next_power_of_2(topk)
+    block_e = triton.next_power_of_2(num_ids)
     launch_pdl, asm = pdl(x.device), inline_ptx(x.device, _gated_kernel)
     w4a8 = w13.dtype == torch.uint8
     # Scales per (row, group): [E, groups, N] (Marlin) or [E, N, groups] (W4A8).
     row_dim, group_dim = (1, 2) if w4a8 else (2, 1)
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # packed words
     _gated_kernel[(routes, triton.cdiv(inter, config.gated_block_n))](
-        x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
-        experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
+        x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
+        experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
         w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
-        w13_scales.stride(group_dim), HAS_MAP=expert_map is not None,
+        w13_scales.stride(group_dim), logits, logits.stride(0),
+        HAS_MAP=expert_map is not None,
         GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
         BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
-        ASM=asm, PDL=launch_pdl, num_warps=config.gated_warps,
-        launch_pdl=launch_pdl,
+        ASM=asm, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e, BLOCK_R=block_r,
+        num_warps=config.gated_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_sum_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
-        act, topk_ids, map_arg, topk_weights, w2, w2_scales, out, inter, hidden,
-        topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
+        act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden,
+        topk, num_ids, experts, act.stride(0), ids.stride(0),
+        weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
         w2_scales.stride(0), w2_scales.stride(row_dim), w2_scales.stride(group_dim),
+        logits, logits.stride(0),
         HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
-        TOPK=triton.next_power_of_2(topk), BLOCK_N=config.down_block_n,
+        TOPK=block_r, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
-        ASM=asm, PDL=launch_pdl, num_warps=config.down_warps, launch_pdl=launch_pdl,
+        ASM=asm, PDL=launch_pdl, ROUTED=routed, RENORMALIZE=renormalize,
+        BLOCK_E=block_e, num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
 
@@ -406,7 +526,8 @@ def marlin_moe_decode_reference(
 ) -> torch.Tensor:
     """:func:`marlin_moe_decode` in plain PyTorch (fp32 math on the
     dequantized weights; ``act`` untouched)."""
-    _check(x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales, expert_map,
+    _check_routing(x, topk_ids, topk_weights)
+    _check(x, topk_ids.shape[1], w13, w13_scales, w2, w2_scales, expert_map,
            activation, group_size, act, out)  # fmt: skip
     ids = topk_ids.long()
     num_ids = len(w13) if expert_map is None else len(expert_map)
@@ -434,3 +555,26 @@ def _dequantize(
     if packed.dtype == torch.uint8:
         return dequantize_w4(packed, scales)
     return dequantize_weights(packed, scales.float(), group_size)
+
+
+def marlin_moe_decode_routed_reference(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`marlin_moe_decode_routed` in plain PyTorch."""
+    weights, ids = top_routes_reference(logits, topk, renormalize)
+    return marlin_moe_decode_reference(
+        x, ids, weights, w13, w13_scales, w2, w2_scales, expert_map, activation,
+        group_size, act, out,
+    )  # fmt: skip

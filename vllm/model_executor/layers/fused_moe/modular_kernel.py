@@ -345,11 +345,14 @@ class FusedMoEModularKernel:
         return self.prepare_finalize.finalize(output, prepared)
 
     def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
-        """Whether :meth:`forward_routed` takes ``hidden_states``: no dispatch,
-        and experts whose kernels route from logits at this size."""
-        return isinstance(
-            self.prepare_finalize, MoEPrepareAndFinalizeNoEP
-        ) and self.experts.routes_from_logits(hidden_states)
+        """Whether :meth:`forward_routed` takes ``hidden_states``: no dispatch
+        (every rank holds the tokens) nor quantization before it, and experts
+        whose kernels route from logits at this size."""
+        return (
+            isinstance(self.prepare_finalize, MoEPrepareAndFinalizeNoEP)
+            and not self.experts.moe.quant_config.prequantized
+            and self.experts.routes_from_logits(hidden_states)
+        )
 
     def forward_routed(
         self,
@@ -386,7 +389,11 @@ class FusedMoEModularKernel:
         self.experts.apply_routed(
             output, hidden_states, router_logits, renormalize, expert_map, workspace2
         )
-        return output
+        # No prepare (nothing moves), but the finalize may sum the ranks'
+        # partial outputs (tensor parallel); it reads no routing.
+        unrouted = torch.empty(tokens, 0, device=hidden_states.device)
+        prepared = PrepareResult(hidden_states, None, unrouted, unrouted, tokens)
+        return self.prepare_finalize.finalize(output, prepared)
 
     def _buffers(
         self, rows: int, capacity: int, device: torch.device

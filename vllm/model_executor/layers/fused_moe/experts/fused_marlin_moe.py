@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
 from vllm.model_executor.kernels.marlin.moe_decode import (
     decode_fits_topk,
     marlin_moe_decode,
+    marlin_moe_decode_routed,
 )
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
@@ -184,6 +186,42 @@ class MarlinExperts(FusedMoEExperts):
         # workspace2: GEMM1 output, then GEMM2 output.
         workspace2 = rows * max(N, K) * itemsize
         return (workspace13,), (workspace2,), (M, K)
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        moe = self.moe
+        return (
+            runs_gpu_kernels(hidden_states)
+            and hidden_states.shape[0] <= self.decode_max_tokens
+            and decode_fits_topk(moe.experts_per_token)
+            and moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+        )
+
+    def apply_routed(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows = hidden_states.shape[0] * moe.experts_per_token
+        marlin_moe_decode_routed(
+            hidden_states,
+            router_logits,
+            moe.experts_per_token,
+            renormalize,
+            self.w13_packed,
+            self.w13_scales,
+            self.w2_packed,
+            self.w2_scales,
+            expert_map,
+            moe.activation,
+            GROUP_SIZE,
+            carve(workspace2, (rows, moe.intermediate_size), output.dtype),
+            output,
+        )
 
     def apply(
         self,

@@ -40,6 +40,7 @@ from vllm.model_executor.kernels.common.device_info import (
     is_hopper,
     runs_gpu_kernels,
 )
+from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
@@ -58,6 +59,7 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
 from vllm.model_executor.kernels.marlin.moe_decode import (
     decode_fits_topk,
     marlin_moe_decode,
+    marlin_moe_decode_routed,
 )
 from vllm.model_executor.layers.fused_moe.activation import quant_rows_fp8
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
@@ -156,6 +158,42 @@ class TritonExpertsW4A8(FusedMoEExperts):
         # workspace2: GEMM1's activation, later GEMM2's rows.
         workspace2 = rows * max(inter, K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        moe = self.moe
+        return (
+            runs_gpu_kernels(hidden_states)
+            and hidden_states.shape[0] <= self.decode_max_tokens
+            and decode_fits_topk(moe.experts_per_token)
+            and moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+        )
+
+    def apply_routed(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        renormalize: bool,
+        expert_map: torch.Tensor | None,
+        workspace2: torch.Tensor,
+    ) -> None:
+        moe = self.moe
+        rows = hidden_states.shape[0] * moe.experts_per_token
+        marlin_moe_decode_routed(
+            hidden_states,
+            router_logits,
+            moe.experts_per_token,
+            renormalize,
+            self.w13,
+            self.w13_scale,
+            self.w2,
+            self.w2_scale,
+            expert_map,
+            moe.activation,
+            W4_GROUP,
+            carve(workspace2, (rows, moe.intermediate_size), output.dtype),
+            output,
+        )
 
     def apply(
         self,
