@@ -50,6 +50,7 @@ from vllm import LLM
 from vllm.benchmarks.presets import write_preset_config
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.grouped_gemm import decode
+from vllm.model_executor.kernels.marlin import moe_decode
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm.model_executor.models import qwen3_moe
 from vllm.v1.attention.backends import triton_paged
@@ -66,15 +67,19 @@ def _routing_by_ids() -> None:
 def _routing_free() -> None:
     weights = torch.full((8, TOPK), 1 / TOPK, device="cuda")
     ids = torch.arange(TOPK, dtype=torch.int32, device="cuda").expand(8, -1)
-    real = decode._launch
 
-    def constant(x, topk, routing, *args):
-        if routing[2] is not None:  # the logits: route to experts 0..7 instead
-            rows = x.shape[0]
-            routing = (ids[:rows], weights[:rows], None, False)
-        return real(x, topk, routing, *args)
+    def constant(real):
+        def launch(x, topk, routing, *args):
+            if routing[2] is not None:  # the logits: route to experts 0..7 instead
+                rows = x.shape[0]
+                routing = (ids[:rows], weights[:rows], None, False)
+            return real(x, topk, routing, *args)
 
-    decode._launch = constant
+        return launch
+
+    # Both decode kernels' launchers (16-bit and fp8 weights; uint4 ones).
+    decode._launch = constant(decode._launch)
+    moe_decode._launch = constant(moe_decode._launch)
 
 
 def _no_qk_norm_rope() -> None:

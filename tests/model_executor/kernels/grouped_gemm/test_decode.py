@@ -232,7 +232,10 @@ def test_routed_matches_reference(device, tokens, renormalize):
     torch.testing.assert_close(got, same, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
-def test_routed_ties_nan_and_signed_zero(device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routed_ties_nan_and_signed_zero(device, dtype):
+    """Equal logits route to the lower ids first, NaN last, -0.0 ties with
+    0.0: hand-made rows, then random rows of few distinct values."""
     torch.manual_seed(11)
     weights = make_weights(device, torch.float32, 6, 64, 48)
     x = torch.randn(4, 64, device=device)
@@ -243,12 +246,15 @@ def test_routed_ties_nan_and_signed_zero(device):
             [3.0, 3.0, 3.0, 3.0, 3.0, 3.0],  # all tie
             [-0.5, 8.0, 2.0, -0.25, 0.5, 1.5],
         ],
-        dtype=torch.bfloat16,
+        dtype=dtype,
     ).to(device)
     got, ref = run_routed(x, logits, 3, True, weights, config=SMALL_TILES)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     _, ids = top_routes_reference(logits, 3, True)
     assert ids.tolist() == [[2, 0, 1], [1, 2, 4], [0, 1, 2], [1, 2, 5]]
+    tied = (torch.randint(-2, 3, (4, 6)) / 2).to(device, dtype)
+    got, ref = run_routed(x, tied, 4, False, weights, config=SMALL_TILES)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_routed_non_local_experts_add_nothing(device):

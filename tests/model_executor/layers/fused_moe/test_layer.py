@@ -158,9 +158,17 @@ def test_the_normed_forward_equals_the_norm_then_the_layer(
     monkeypatch.setattr(routing, router, counted)
     moe = moe_config(device, experts_per_token=4)
     layer = make_layer(moe, device, backend="triton", seed=9)
+    assert layer.kernel is not None
     if not routed:
-        assert layer.kernel is not None
         monkeypatch.setattr(layer.kernel.experts, "routes_from_logits", lambda t: False)
+    routed_calls: list[int] = []
+    forward_routed = layer.kernel.forward_routed
+
+    def counted_routed(x, *args):
+        routed_calls.append(x.shape[0])
+        return forward_routed(x, *args)
+
+    monkeypatch.setattr(layer.kernel, "forward_routed", counted_routed)
     gate = torch.randn(moe.num_experts, moe.hidden_size, device=device)
     gate = (gate / moe.hidden_size**0.5).to(moe.in_dtype)
     norm_weight = torch.rand(moe.hidden_size, device=device).to(moe.in_dtype) + 0.5
@@ -179,6 +187,7 @@ def test_the_normed_forward_equals_the_norm_then_the_layer(
         expected = layer(normed, gate_weight=gate)
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     assert fused == [1]
+    assert routed_calls == ([1, 2, 5] if routed else [])
     x = x[:1]
     expected_msg = f"gate_weight: expected [{moe.num_experts}, {moe.hidden_size}]"
     with pytest.raises(ValueError, match=re.escape(expected_msg)):

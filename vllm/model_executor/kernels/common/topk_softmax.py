@@ -102,12 +102,13 @@ def top_routes(
     logits are at ``row``: its ``topk`` experts, largest logit first, ties
     to the lower id, NaN last (a NaN row still routes to ids in range);
     the softmax weights (renormalized over the chosen) with ``WEIGHTS``,
-    else zeros. Lanes past ``topk``: id 0, weight 0."""
+    else zeros. Lanes past ``topk``: id 0, weight 0 (NaN where no logit
+    is finite, as the reference's)."""
     e = tl.arange(0, BLOCK_E)
     x = tl.load(row + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))
-    x = tl.where(x == 0, 0.0, x)  # -0.0 ties with 0.0
     bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits)  # -0.0 ties with 0.0
     # Signed order of the keys is the logits' order: flip negatives' magnitude.
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) & _LOGIT_MASK
     key = key | (_ID_MASK - e)
@@ -132,11 +133,10 @@ def top_routes(
 
 
 @triton.jit
-def route_expert(
-    row, num_experts, topk, slot, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr
-):
-    """The expert id of route ``slot`` of :func:`top_routes`."""
-    ids, _ = top_routes(row, num_experts, topk, False, False, BLOCK_E, BLOCK_R)
+def route_expert(row, num_experts, slot, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The expert id of route ``slot`` of :func:`top_routes` (its first
+    ``slot + 1`` rounds only)."""
+    ids, _ = top_routes(row, num_experts, slot + 1, False, False, BLOCK_E, BLOCK_R)
     return tl.sum(tl.where(tl.arange(0, BLOCK_R) == slot, ids, 0), 0)
 
 

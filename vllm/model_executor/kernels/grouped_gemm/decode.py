@@ -22,6 +22,11 @@ their own (``marlin/moe_decode.py``). A route whose expert id is outside
 [0, E) or, under ``expert_map``, not local, adds nothing (its ``act`` row
 is not written); a token without local routes gets zeros. The grids depend
 only on the token count: the launches can be captured in a CUDA graph.
+:func:`moe_decode_routed` takes the router's 16-bit logits instead of ids
+and weights: GEMM1's programs each find their route's expert
+(:func:`~.common.topk_softmax.route_expert`) after the PDL wait, GEMM2's
+the token's routes and weights (:func:`~.common.topk_softmax.top_routes`)
+before it, so the routing costs no launch of its own.
 Both launch with programmatic dependent launch (:mod:`~.common.pdl`):
 GEMM2's first weight tiles stream while GEMM1 finishes.
 
@@ -103,8 +108,8 @@ def _decode_gated_kernel(
     # The route's local expert; num_local for an invalid or remote one.
     if ROUTED:
         chosen = route_expert(
-            logits_ptr + token * stride_logits, num_experts, topk, route % topk,
-            BLOCK_E, BLOCK_R,
+            logits_ptr + token * stride_logits, num_experts, route % topk, BLOCK_E,
+            BLOCK_R,
         )  # fmt: skip
         expert = local_expert(
             chosen, route < tl.num_programs(0), map_ptr, num_experts, num_local,

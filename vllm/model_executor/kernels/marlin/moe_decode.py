@@ -24,7 +24,10 @@ tiles for what is two matrix-vector products per route:
   registers: the output in one pass, in order (deterministic, no atomics,
   no per-route scratch, no separate sum).
 
-A route whose expert id is outside [0, E) or, under ``expert_map``, not
+:func:`marlin_moe_decode_routed` takes the router's 16-bit logits instead
+of ids and weights, both kernels routing the tokens themselves
+(:func:`~.common.topk_softmax.top_routes`, as the 16-bit decode kernels
+do). A route whose expert id is outside [0, E) or, under ``expert_map``, not
 local adds nothing. The grids depend only on the token count: capturable in
 a CUDA graph. Both kernels launch with programmatic dependent launch
 (:mod:`~.common.pdl`): GEMM2's first weights stream while GEMM1 finishes.
@@ -105,8 +108,8 @@ def _gated_kernel(
     token = route // topk
     if ROUTED:
         chosen = route_expert(
-            logits_ptr + token * stride_logits, num_experts, topk, route % topk,
-            BLOCK_E, BLOCK_R,
+            logits_ptr + token * stride_logits, num_experts, route % topk, BLOCK_E,
+            BLOCK_R,
         )  # fmt: skip
         expert = local_expert(
             chosen, route >= 0, map_ptr, num_experts, num_local, HAS_MAP
