@@ -48,11 +48,11 @@ from vllm.model_executor.kernels.common.skinny_gemm import skinny_gemm
 from vllm.model_executor.kernels.grouped_gemm import DecodeConfig, moe_decode
 from vllm.model_executor.kernels.grouped_gemm.decode import default_decode_config
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP
-from vllm.model_executor.kernels.marlin.moe_decode import (
+from vllm.model_executor.kernels.marlin.config import (
     MarlinDecodeConfig,
     default_marlin_decode_config,
-    marlin_moe_decode,
 )
+from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,

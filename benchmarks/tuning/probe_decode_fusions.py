@@ -49,6 +49,7 @@ from benchmarks.benchmark_latency import measure_latency
 from vllm import LLM
 from vllm.benchmarks.presets import write_preset_config
 from vllm.model_executor.kernels.common.rms_norm import rms_norm
+from vllm.model_executor.kernels.common.topk_softmax import DecodeRouting
 from vllm.model_executor.kernels.grouped_gemm import decode
 from vllm.model_executor.kernels.marlin import moe_decode
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
@@ -70,9 +71,9 @@ def _routing_free() -> None:
 
     def constant(real):
         def launch(x, topk, routing, *args):
-            if routing[2] is not None:  # the logits: route to experts 0..7 instead
+            if routing.routed:  # the logits: route to experts 0..7 instead
                 rows = x.shape[0]
-                routing = (ids[:rows], weights[:rows], None, False)
+                routing = DecodeRouting.by_ids(ids[:rows], weights[:rows])
             return real(x, topk, routing, *args)
 
         return launch

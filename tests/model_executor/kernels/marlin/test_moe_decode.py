@@ -18,9 +18,11 @@ from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
-from vllm.model_executor.kernels.marlin.moe_decode import (
+from vllm.model_executor.kernels.marlin.config import (
     MarlinDecodeConfig,
     decode_fits_topk,
+)
+from vllm.model_executor.kernels.marlin.moe_decode import (
     marlin_moe_decode,
     marlin_moe_decode_reference,
     marlin_moe_decode_routed,

@@ -17,6 +17,8 @@ round of max-and-remove is one block reduction.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -138,6 +140,28 @@ def route_expert(row, num_experts, slot, BLOCK_E: tl.constexpr, BLOCK_R: tl.cons
     ``slot + 1`` rounds only)."""
     ids, _ = top_routes(row, num_experts, slot + 1, False, False, BLOCK_E, BLOCK_R)
     return tl.sum(tl.where(tl.arange(0, BLOCK_R) == slot, ids, 0), 0)
+
+
+@dataclass(frozen=True)
+class DecodeRouting:
+    """A decode batch's routing as the MoE decode kernels take it: top-k ids
+    and weights, or the router's 16-bit logits from which the kernels route
+    each token themselves (``routed``, :func:`top_routes`). A kernel reads
+    one of the two; the other's pointers are placeholders."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+    routed: bool
+    renormalize: bool
+
+    @classmethod
+    def by_ids(cls, ids: torch.Tensor, weights: torch.Tensor) -> DecodeRouting:
+        return cls(ids, weights, ids, False, False)
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, renormalize: bool) -> DecodeRouting:
+        return cls(logits, logits, logits, True, renormalize)
 
 
 def check_router_logits(

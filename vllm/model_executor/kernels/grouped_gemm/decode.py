@@ -58,6 +58,7 @@ from vllm.model_executor.kernels.common.checks import (
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.topk_softmax import (
+    DecodeRouting,
     check_router_logits,
     route_expert,
     top_routes,
@@ -354,7 +355,7 @@ def moe_decode(
     _check_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
     _check(x, topk, w13, w13_scale, w2, w2_scale, expert_map, activation, act, out)
-    routing = (topk_ids, topk_weights, None, False)
+    routing = DecodeRouting.by_ids(topk_ids, topk_weights)
     return _launch(x, topk, routing, w13, w13_scale, w2, w2_scale, expert_map,
                    activation, act, out, config)  # fmt: skip
 
@@ -383,7 +384,7 @@ def moe_decode_routed(
         "w13" if expert_map is None else "expert_map",
     )  # fmt: skip
     _check(x, topk, w13, w13_scale, w2, w2_scale, expert_map, activation, act, out)
-    routing = (None, None, logits, renormalize)
+    routing = DecodeRouting.from_logits(logits, renormalize)
     return _launch(x, topk, routing, w13, w13_scale, w2, w2_scale, expert_map,
                    activation, act, out, config)  # fmt: skip
 
@@ -391,7 +392,7 @@ def moe_decode_routed(
 def _launch(
     x: torch.Tensor,
     topk: int,
-    routing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool],
+    routing: DecodeRouting,
     w13: torch.Tensor,
     w13_scale: torch.Tensor | None,
     w2: torch.Tensor,
@@ -402,16 +403,7 @@ def _launch(
     out: torch.Tensor,
     config: DecodeConfig | None,
 ) -> torch.Tensor:
-    """``routing``: (topk ids, topk weights, None, False) or (None, None,
-    the router's logits, renormalize)."""
-    topk_ids, topk_weights, logits, renormalize = routing
-    routed = logits is not None
-    # Each kernel reads one routing; the other's pointers are placeholders.
-    if logits is None:
-        assert topk_ids is not None and topk_weights is not None
-        ids, weights, logits = topk_ids, topk_weights, topk_ids
-    else:
-        ids = weights = logits
+    ids, weights, logits = routing.ids, routing.weights, routing.logits
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
     inter, num_ids = w13.shape[1] // 2, _num_ids(w13, expert_map)
@@ -428,7 +420,7 @@ def _launch(
         HAS_SCALE=w13_scale is not None, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
-        PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e, BLOCK_R=block_r,
+        PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e, BLOCK_R=block_r,
         num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
@@ -439,7 +431,7 @@ def _launch(
         HAS_MAP=expert_map is not None,
         HAS_SCALE=w2_scale is not None, BLOCK_R=block_r,
         BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, PDL=launch_pdl,
-        ROUTED=routed, RENORMALIZE=renormalize, BLOCK_E=block_e,
+        ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
         num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out

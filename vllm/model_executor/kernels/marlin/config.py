@@ -1,5 +1,6 @@
 """Host-side facts of the Marlin-style W4A16 GEMM: constants, tile configs
-and the bounds they obey.
+and the bounds they obey; the uint4 MoE decode kernels' tiles
+(``moe_decode.py``).
 
 A split-K grid is only correct when all of its slices are resident at once
 (later slices wait on earlier ones under the tile's lock), so every config
@@ -125,3 +126,37 @@ def grouped_config(
     limit = resident_programs(MarlinConfig(bm, bn, 1, warps, stages), device)
     split = _largest_split(tiles, k // TILE_K, max_split, limit)
     return MarlinConfig(bm, bn, split, warps, stages)
+
+
+# Weight rows per GEMM2 program (topk rounded up to a power of two, times
+# its columns): beyond this its products spill registers.
+MAX_DOWN_ROWS = 128
+
+
+@dataclass(frozen=True)
+class MarlinDecodeConfig:
+    """GEMM1's gate/up pairs, K step and warps per program; GEMM2's output
+    columns (each with ``topk`` weight rows), K step and warps; a K step of
+    ``32 x num_warps`` words (``block_k / 8``) at least."""
+
+    gated_block_n: int
+    gated_block_k: int
+    gated_warps: int
+    down_block_n: int
+    down_block_k: int
+    down_warps: int
+
+
+def default_marlin_decode_config() -> MarlinDecodeConfig:
+    """The fastest of 35 on the H200 at one token and within 3% of the
+    fastest at 2 and 4 (``benchmark_moe_decode --weights w4a16 --sweep``):
+    GEMM1 8 pairs x 512 in two warps, GEMM2 2 columns (16 weight rows at
+    top-8) x 256 in one warp."""
+    return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
+
+
+def decode_fits_topk(topk: int) -> bool:
+    """Whether the default config's GEMM2 program holds a token's ``topk``
+    routes (at most :data:`MAX_DOWN_ROWS` weight rows: top-64)."""
+    rows = triton.next_power_of_2(topk) * default_marlin_decode_config().down_block_n
+    return rows <= MAX_DOWN_ROWS

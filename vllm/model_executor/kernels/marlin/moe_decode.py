@@ -36,8 +36,6 @@ a CUDA graph. Both kernels launch with programmatic dependent launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -53,12 +51,18 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.topk_softmax import (
+    DecodeRouting,
     check_router_logits,
     route_expert,
     top_routes,
     top_routes_reference,
 )
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
+from vllm.model_executor.kernels.marlin.config import (
+    MAX_DOWN_ROWS,
+    MarlinDecodeConfig,
+    default_marlin_decode_config,
+)
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
@@ -241,40 +245,6 @@ def _down_sum_kernel(
     )
 
 
-# Weight rows per GEMM2 program (topk rounded up to a power of two, times
-# its columns): beyond this its products spill registers.
-MAX_DOWN_ROWS = 128
-
-
-@dataclass(frozen=True)
-class MarlinDecodeConfig:
-    """GEMM1's gate/up pairs, K step and warps per program; GEMM2's output
-    columns (each with ``topk`` weight rows), K step and warps; a K step of
-    ``32 x num_warps`` words (``block_k / 8``) at least."""
-
-    gated_block_n: int
-    gated_block_k: int
-    gated_warps: int
-    down_block_n: int
-    down_block_k: int
-    down_warps: int
-
-
-def default_marlin_decode_config() -> MarlinDecodeConfig:
-    """The fastest of 35 on the H200 at one token and within 3% of the
-    fastest at 2 and 4 (``benchmark_moe_decode --weights w4a16 --sweep``):
-    GEMM1 8 pairs x 512 in two warps, GEMM2 2 columns (16 weight rows at
-    top-8) x 256 in one warp."""
-    return MarlinDecodeConfig(8, 512, 2, 2, 256, 1)
-
-
-def decode_fits_topk(topk: int) -> bool:
-    """Whether the default config's GEMM2 program holds a token's ``topk``
-    routes (at most :data:`MAX_DOWN_ROWS` weight rows: top-64)."""
-    rows = triton.next_power_of_2(topk) * default_marlin_decode_config().down_block_n
-    return rows <= MAX_DOWN_ROWS
-
-
 def _check(
     x: torch.Tensor,
     topk: int,
@@ -410,7 +380,7 @@ def marlin_moe_decode(
     topk = topk_ids.shape[1]
     _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
-    routing = (topk_ids, topk_weights, None, False)
+    routing = DecodeRouting.by_ids(topk_ids, topk_weights)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
                    activation, group_size, act, out, config)  # fmt: skip
 
@@ -440,7 +410,7 @@ def marlin_moe_decode_routed(
     )
     _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
-    routing = (None, None, logits, renormalize)
+    routing = DecodeRouting.from_logits(logits, renormalize)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
                    activation, group_size, act, out, config)  # fmt: skip
 
@@ -448,7 +418,7 @@ def marlin_moe_decode_routed(
 def _launch(
     x: torch.Tensor,
     topk: int,
-    routing: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool],
+    routing: DecodeRouting,
     w13: torch.Tensor,
     w13_scales: torch.Tensor,
     w2: torch.Tensor,
@@ -460,22 +430,13 @@ def _launch(
     out: torch.Tensor,
     config: MarlinDecodeConfig | None,
 ) -> torch.Tensor:
-    """``routing``: (topk ids, topk weights, None, False) or (None, None,
-    the router's logits, renormalize)."""
     config = config or default_marlin_decode_config()
     _check_config(config, topk)
     tokens, hidden = x.shape
     inter, experts = w13.shape[1] // 2, w13.shape[0]
     if tokens == 0:
         return out
-    topk_ids, topk_weights, logits, renormalize = routing
-    routed = logits is not None
-    # Each kernel reads one routing; the other's pointers are placeholders.
-    if logits is None:
-        assert topk_ids is not None and topk_weights is not None
-        ids, weights, logits = topk_ids, topk_weights, topk_ids
-    else:
-        ids = weights = logits
+    ids, weights, logits = routing.ids, routing.weights, routing.logits
     num_ids = _num_ids(w13, expert_map)
     map_arg = expert_map if expert_map is not None else ids
     routes, block_r = tokens * topk, triton.next_power_of_2(topk)
@@ -495,8 +456,8 @@ def _launch(
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
         BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
-        ASM=asm, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e, BLOCK_R=block_r,
-        num_warps=config.gated_warps, launch_pdl=launch_pdl,
+        ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e,
+        BLOCK_R=block_r, num_warps=config.gated_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_sum_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden,
@@ -507,7 +468,7 @@ def _launch(
         HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
         TOPK=block_r, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
-        ASM=asm, PDL=launch_pdl, ROUTED=routed, RENORMALIZE=renormalize,
+        ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, RENORMALIZE=routing.renormalize,
         BLOCK_E=block_e, num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out

@@ -22,8 +22,8 @@ import torch
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
 from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
+from vllm.model_executor.kernels.marlin.config import decode_fits_topk
 from vllm.model_executor.kernels.marlin.moe_decode import (
-    decode_fits_topk,
     marlin_moe_decode,
     marlin_moe_decode_routed,
 )

@@ -56,8 +56,8 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     grouped_gemm_w4a8_reference,
     quantize_w4,
 )
+from vllm.model_executor.kernels.marlin.config import decode_fits_topk
 from vllm.model_executor.kernels.marlin.moe_decode import (
-    decode_fits_topk,
     marlin_moe_decode,
     marlin_moe_decode_routed,
 )
