@@ -333,7 +333,9 @@ class FusedMoE(nn.Module):
         """Route ``hidden_states`` by ``router_logits``, or by the router's
         weight ``gate_weight`` [num_experts, hidden], whose GEMM then runs
         fused with the routing where a kernel does that (one token on a
-        GPU: :func:`~.routing.gated_topk`)."""
+        GPU: :func:`~.routing.gated_topk`). The experts always take top-k
+        ids here: routing inside the decode kernels is
+        :meth:`forward_normed`'s (the decoder layer's call)."""
         return torch.ops.vllm.moe_forward(
             hidden_states, router_logits, gate_weight, self.layer_name
         )
