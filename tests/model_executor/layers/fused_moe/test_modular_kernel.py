@@ -143,7 +143,7 @@ ROUTED = [
 
 
 @pytest.mark.parametrize("backend", ROUTED)
-@pytest.mark.parametrize("tokens", [1, 3, None])  # None: the decode path's most
+@pytest.mark.parametrize("tokens", [1, None])  # None: the decode path's most
 @pytest.mark.parametrize("ep_size", [1, 4])
 def test_routed_forward_is_the_forward_of_its_routing(
     workspace_init, device, monkeypatch, backend, tokens, ep_size
@@ -173,12 +173,12 @@ def test_routed_forward_is_the_forward_of_its_routing(
     assert not kernel.routes_from_logits(
         hidden.new_zeros(decode_max + 1, hidden.shape[1])
     )
-    for renormalize in (True, False):
-        out = kernel.forward_routed(hidden, logits, renormalize, expert_map)
-        weights, ids = top_routes_reference(logits, 4, renormalize)
-        expected = kernel.forward(hidden, weights, ids, expert_map)
-        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
-        assert not bool(out.isnan().any())
+    renormalize = ep_size == 1  # each way once (the interpreter is slow)
+    out = kernel.forward_routed(hidden, logits, renormalize, expert_map)
+    weights, ids = top_routes_reference(logits, 4, renormalize)
+    expected = kernel.forward(hidden, weights, ids, expert_map)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    assert not bool(out.isnan().any())
 
 
 def test_routed_forward_refusals_are_named(workspace_init, device, monkeypatch):
