@@ -98,22 +98,8 @@ def _no_split_combine() -> None:
 def _one_kernel_more() -> None:
     real = qwen3_moe.qk_norm_rope_
 
-    def with_extra(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        eps: float,
-        cos_sin: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        slot_mapping: torch.Tensor | None = None,
-    ) -> None:
-        real(
-            q, k, q_weight, k_weight, eps, cos_sin, positions, kv_cache, v,
-            slot_mapping,
-        )  # fmt: skip
+    def with_extra(q, k, q_weight, k_weight, eps, *args, **kwargs) -> None:
+        real(q, k, q_weight, k_weight, eps, *args, **kwargs)
         rms_norm(q[:, 0], q_weight, eps)  # one head's norm, unused
 
     qwen3_moe.qk_norm_rope_ = with_extra

@@ -25,6 +25,7 @@ import torch
 from vllm.model_executor.kernels.common.fp8 import (
     per_token_group_quant_fp8,
 )
+from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -243,9 +244,19 @@ class FusedMoEExperts(ABC):
     ) -> None:
         """Write ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` into ``output``."""
 
-    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
-        """Whether :meth:`apply_routed` takes ``hidden_states``."""
+    def decodes(self, hidden_states: torch.Tensor, topk: int) -> bool:
+        """Whether :meth:`apply` takes route-by-route decode kernels for
+        these tokens at top-``topk``; experts that have them say when, and
+        implement :meth:`apply_routed` on them."""
         return False
+
+    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`apply_routed` takes ``hidden_states``: where the
+        decode kernels run, among at most ``TOP_ROUTES_MAX_EXPERTS``."""
+        moe = self.moe
+        return moe.num_experts <= TOP_ROUTES_MAX_EXPERTS and self.decodes(
+            hidden_states, moe.experts_per_token
+        )
 
     def apply_routed(
         self,
@@ -391,7 +402,7 @@ class FusedMoEModularKernel:
         )
         # No prepare (nothing moves), but the finalize may sum the ranks'
         # partial outputs (tensor parallel); it reads no routing.
-        unrouted = torch.empty(tokens, 0, device=hidden_states.device)
+        unrouted = router_logits[:, :0]  # a view: nothing allocated per call
         prepared = PrepareResult(hidden_states, None, unrouted, unrouted, tokens)
         return self.prepare_finalize.finalize(output, prepared)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
-from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.marlin import marlin_gemm_grouped
 from vllm.model_executor.kernels.marlin.config import decode_fits_topk
 from vllm.model_executor.kernels.marlin.moe_decode import (
@@ -187,13 +186,11 @@ class MarlinExperts(FusedMoEExperts):
         workspace2 = rows * max(N, K) * itemsize
         return (workspace13,), (workspace2,), (M, K)
 
-    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
-        moe = self.moe
+    def decodes(self, hidden_states: torch.Tensor, topk: int) -> bool:
         return (
             runs_gpu_kernels(hidden_states)
             and hidden_states.shape[0] <= self.decode_max_tokens
-            and decode_fits_topk(moe.experts_per_token)
-            and moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+            and decode_fits_topk(topk)  # else the sorted path
         )
 
     def apply_routed(
@@ -241,12 +238,7 @@ class MarlinExperts(FusedMoEExperts):
             )
         rows, dtype, device = topk_ids.numel(), moe.in_dtype, hidden_states.device
         k, i = moe.hidden_size, moe.intermediate_size
-        tokens = hidden_states.shape[0]
-        if (
-            runs_gpu_kernels(hidden_states)
-            and tokens <= self.decode_max_tokens
-            and decode_fits_topk(topk_ids.shape[1])  # else the sorted path
-        ):
+        if self.decodes(hidden_states, topk_ids.shape[1]):
             marlin_moe_decode(
                 hidden_states,
                 topk_ids,

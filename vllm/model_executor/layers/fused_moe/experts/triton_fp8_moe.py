@@ -38,7 +38,6 @@ from collections.abc import Callable
 import torch
 
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
-from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     act_groups,
@@ -109,11 +108,10 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         workspace2 = max(rows * inter, rows * K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
 
-    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+    def decodes(self, hidden_states: torch.Tensor, topk: int) -> bool:
         return (
             runs_gpu_kernels(hidden_states)
             and hidden_states.shape[0] <= self.decode_max_tokens
-            and self.moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
         )
 
     def apply_routed(
@@ -157,7 +155,7 @@ class TritonExpertsFp8(Fp8ChannelExperts):
         moe = self.moe
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
-        if runs_gpu_kernels(hidden_states) and num_tokens <= self.decode_max_tokens:
+        if self.decodes(hidden_states, topk_ids.shape[1]):
             act = carve(workspace2, (rows, inter), output.dtype)
             moe_decode(
                 hidden_states,

@@ -35,7 +35,6 @@ from vllm.model_executor.kernels.common.device_info import (
     is_hopper,
     runs_gpu_kernels,
 )
-from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
@@ -94,11 +93,10 @@ class TritonExperts(UnquantizedExperts):
     def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return deinterleave_gate_up(self.w13), self.w2
 
-    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
+    def decodes(self, hidden_states: torch.Tensor, topk: int) -> bool:
         return (
             runs_gpu_kernels(hidden_states)
             and hidden_states.shape[0] <= self.decode_max_tokens
-            and self.moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
         )
 
     def apply_routed(
@@ -146,7 +144,7 @@ class TritonExperts(UnquantizedExperts):
             hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
         kernels = runs_gpu_kernels(hidden_states)
         act = carve(workspace2, (rows, moe.intermediate_size), dtype)
-        if kernels and hidden_states.shape[0] <= self.decode_max_tokens:
+        if self.decodes(hidden_states, topk_ids.shape[1]):
             moe_decode(
                 hidden_states,
                 topk_ids,

@@ -40,7 +40,6 @@ from vllm.model_executor.kernels.common.device_info import (
     is_hopper,
     runs_gpu_kernels,
 )
-from vllm.model_executor.kernels.common.topk_softmax import TOP_ROUTES_MAX_EXPERTS
 from vllm.model_executor.kernels.grouped_gemm import (
     DECODE_MAX_TOKENS,
     deinterleave_gate_up,
@@ -159,13 +158,11 @@ class TritonExpertsW4A8(FusedMoEExperts):
         workspace2 = rows * max(inter, K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
 
-    def routes_from_logits(self, hidden_states: torch.Tensor) -> bool:
-        moe = self.moe
+    def decodes(self, hidden_states: torch.Tensor, topk: int) -> bool:
         return (
             runs_gpu_kernels(hidden_states)
             and hidden_states.shape[0] <= self.decode_max_tokens
-            and decode_fits_topk(moe.experts_per_token)
-            and moe.num_experts <= TOP_ROUTES_MAX_EXPERTS
+            and decode_fits_topk(topk)  # else the sorted path
         )
 
     def apply_routed(
@@ -210,11 +207,7 @@ class TritonExpertsW4A8(FusedMoEExperts):
         rows, inter = topk_ids.numel(), moe.intermediate_size
         num_tokens, hidden = hidden_states.shape
         gpu = runs_gpu_kernels(hidden_states)
-        if (
-            gpu
-            and num_tokens <= self.decode_max_tokens
-            and decode_fits_topk(topk_ids.shape[1])
-        ):
+        if self.decodes(hidden_states, topk_ids.shape[1]):
             marlin_moe_decode(
                 hidden_states,
                 topk_ids,
