@@ -11,22 +11,22 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 - ``routing by ids``: the router's kernel routes (top-k in its last
   program) and hands ids to the experts, as before the decode kernels
   routed from the logits themselves: against ``baseline``, what that saved.
+- ``q/k norm + RoPE apart``: the per-head norm, rotation and KV-cache
+  store in their own kernel before attention, as before the attention
+  kernel took them in decode steps: against ``baseline``, what that saved.
 - ``routing free``: the decode kernels on a constant routing (experts
   0..7), the router's GEMM (with its norm prologue) still run: against
   ``baseline``, what the routing still costs inside the decode kernels.
-- ``... no q/k norm + RoPE``: the per-head norm, rotation and KV-cache store
-  left out (what fusing them into attention or q/k/v could save at most).
 - ``... no split combine``: attention's split-KV partials never merged.
-- ``... one kernel more``: a trivial kernel launched with PDL after the q/k
-  norm: what a launch costs in the chain.
+- ``... one kernel more``: a trivial kernel launched with PDL after
+  attention: what a launch costs in the chain.
 
-The last three keep the constant routing as their reference: their own
-numbers go wrong (without the q/k kernel the KV cache stays zero, without
-the combine attention returns uninitialized memory), and their routing
-would then differ from the baseline's. Each variant runs in its own
-process (one 30B model on the GPU at a time); a failed one prints its
-error and the others still run. ``--variants`` runs a subset (the device's
-10-minute limit: one dtype per command).
+The last two keep the constant routing as their reference: their own
+numbers go wrong (without the combine attention returns uninitialized
+memory), and their routing would then differ from the baseline's. Each
+variant runs in its own process (one 30B model on the GPU at a time); a
+failed one prints its error and the others still run. ``--variants`` runs
+a subset (the device's 10-minute limit: one dtype per command).
 
     PYTHONPATH=. python benchmarks/tuning/probe_decode_fusions.py [--quantization fp8]
 """
@@ -52,8 +52,9 @@ from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.topk_softmax import DecodeRouting
 from vllm.model_executor.kernels.grouped_gemm import decode
 from vllm.model_executor.kernels.marlin import moe_decode
+from vllm.model_executor.layers import attention
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
-from vllm.model_executor.models import qwen3_moe
 from vllm.v1.attention.backends import triton_paged
 
 PRESET, LAYERS, TOPK = "qwen3-30b-a3b", 48, 8
@@ -83,8 +84,8 @@ def _routing_free() -> None:
     moe_decode._launch = constant(moe_decode._launch)
 
 
-def _no_qk_norm_rope() -> None:
-    qwen3_moe.qk_norm_rope_ = lambda *args, **kwargs: None
+def _qk_norm_rope_apart() -> None:
+    Attention.fuses_norm_rope = staticmethod(lambda meta: False)  # type: ignore[method-assign]
 
 
 def _no_split_combine() -> None:
@@ -96,20 +97,21 @@ def _no_split_combine() -> None:
 
 
 def _one_kernel_more() -> None:
-    real = qwen3_moe.qk_norm_rope_
+    real = attention.triton_paged_attention
 
-    def with_extra(q, k, q_weight, k_weight, eps, *args, **kwargs) -> None:
-        real(q, k, q_weight, k_weight, eps, *args, **kwargs)
-        rms_norm(q[:, 0], q_weight, eps)  # one head's norm, unused
+    def with_extra(*args: Any) -> torch.Tensor:
+        out = real(*args)
+        rms_norm(out, out[0], 1e-6)  # a norm of the output, unused
+        return out
 
-    qwen3_moe.qk_norm_rope_ = with_extra
+    attention.triton_paged_attention = with_extra  # type: ignore[assignment]
 
 
 VARIANTS: dict[str, tuple[Callable[[], None], ...]] = {
     "baseline": (),
     "routing by ids": (_routing_by_ids,),
+    "q/k norm + RoPE apart": (_qk_norm_rope_apart,),
     "routing free": (_routing_free,),
-    "routing free, no q/k norm + RoPE": (_routing_free, _no_qk_norm_rope),
     "routing free, no split combine": (_routing_free, _no_split_combine),
     "routing free, one kernel more": (_routing_free, _one_kernel_more),
 }

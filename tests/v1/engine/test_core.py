@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from vllm.model_executor.layers import attention
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.model_executor.models import qwen3_moe
 from vllm.sampling_params import SamplingParams
@@ -194,22 +195,29 @@ def test_async_scheduling_is_on_for_one_gpu_rank_and_refuses_tp_and_dbo(
     "take this path for real",
 )
 def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypatch):
-    """The model's GPU attention path on CPU (its Triton kernel under the
-    interpreter): q/k norm + RoPE and the KV-cache store in one kernel,
-    through chunked prefills and decodes that read the keys it stored."""
+    """The model's GPU attention path on CPU (its Triton kernels under the
+    interpreter): q/k norm + RoPE and the KV-cache store in one kernel in
+    steps with prefill, inside the attention kernel in decode steps,
+    through chunked prefills and decodes that read the keys they stored."""
     indices = [0, 5, 9]
     reference = outputs(run(engine_factory(max_num_batched_tokens=8), indices))
-    stored: list[bool] = []
-    fused = qwen3_moe.qk_norm_rope_
+    stored, fused = [], []
+    real_store, real_attend = attention.qk_norm_rope_, attention.triton_paged_attention
 
-    def spy(*args, **kwargs):
+    def store(*args, **kwargs):
         stored.append(kwargs["kv_cache"] is not None)
-        return fused(*args, **kwargs)
+        return real_store(*args, **kwargs)
+
+    def attend(*args):
+        fused.append(args[-1] is not None)
+        return real_attend(*args)
 
     monkeypatch.setattr(qwen3_moe, "runs_gpu_kernels", lambda t: True)
-    monkeypatch.setattr(qwen3_moe, "qk_norm_rope_", spy)
+    monkeypatch.setattr(attention, "qk_norm_rope_", store)
+    monkeypatch.setattr(attention, "triton_paged_attention", attend)
     got = run(engine_factory(max_num_batched_tokens=8), indices)
-    assert stored and all(stored)  # every batched step stored through it
+    assert stored and all(stored)  # every step with prefill stored through it
+    assert fused and all(fused)  # and every decode step in attention
     assert outputs(got) == reference
 
 

@@ -6,6 +6,10 @@ cache, bound with :func:`bind_kv_cache`, and attends per request: in
 Triton on CUDA, in plain PyTorch (the oracle) on CPU. Called
 outside such a step it runs one sequence without a cache (all ``T`` tokens
 attend to those before them): a model's plain forward, e.g. for checks.
+
+Qwen3's per-head q/k norm + RoPE (``norm_rope``, Triton only) runs in the
+attention kernel in decode steps, and before it, in one kernel with the
+cache store, otherwise.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from torch import nn
 
 from vllm.forward_context import current_attn_metadata
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
 from vllm.v1.attention.backends.torch_paged import (
+    PagedAttentionMetadata,
     attend,
     paged_attention,
     write_kv_cache,
 )
-from vllm.v1.attention.backends.triton_paged import triton_paged_attention
+from vllm.v1.attention.backends.triton_paged import DecodeKV, triton_paged_attention
 
 
 class Attention(nn.Module):
@@ -38,30 +44,72 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norm_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
         """``q`` [T, heads, head_size], ``k``/``v`` [T, kv_heads, head_size]
-        -> [T, heads * head_size]. ``kv_stored``: the caller's kernel has
-        already stored ``k`` and ``v`` at the step's cache slots."""
+        -> [T, heads * head_size]. ``norm_rope``: ``q`` and ``k`` (heads at
+        unit stride, a power-of-two size) still need it, on the Triton path;
+        they may be left normalized and rotated in place, or as they were."""
         meta = current_attn_metadata()
         if meta is None:
+            if norm_rope is not None:
+                _qk_norm_rope_(q, k, norm_rope)
             return attend(q, k, v, self.scale, 0)
-        if self.kv_cache is None:
+        cache = self.kv_cache
+        if cache is None:
             raise RuntimeError("attention: a batched step needs a bound KV cache")
-        if not kv_stored:
-            write_kv_cache(self.kv_cache, k, v, meta.slot_mapping)
-        if not runs_gpu_kernels(q):
-            return paged_attention(q, self.kv_cache, meta, self.scale)
+        new_kv = None
+        if norm_rope is None:
+            write_kv_cache(cache, k, v, meta.slot_mapping)
+        elif self.fuses_norm_rope(meta):
+            new_kv = DecodeKV(k, v, meta.slot_mapping, norm_rope)
+        else:  # the norms, rotations and cache store in one kernel
+            _qk_norm_rope_(q, k, norm_rope, cache, v, meta.slot_mapping)
+        if new_kv is None and not runs_gpu_kernels(q):
+            return paged_attention(q, cache, meta, self.scale)
         return triton_paged_attention(
             q,
-            self.kv_cache[0],
-            self.kv_cache[1],
+            cache[0],
+            cache[1],
             meta.block_table,
             meta.seq_lens,
             meta.query_start_loc,
             meta.max_query_len,
             self.scale,
+            new_kv,
         )
+
+    @staticmethod
+    def fuses_norm_rope(meta: PagedAttentionMetadata) -> bool:
+        """Whether the attention kernel applies ``norm_rope`` (and stores the
+        keys and values) itself: in decode batches, saving a launch."""
+        return meta.max_query_len == 1
+
+
+def _qk_norm_rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norm_rope: QKNormRope,
+    kv_cache: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    qk_norm_rope_(
+        q,
+        k,
+        norm_rope.q_weight,
+        norm_rope.k_weight,
+        norm_rope.eps,
+        norm_rope.cos_sin,
+        norm_rope.positions,
+        kv_cache=kv_cache,
+        v=v,
+        slot_mapping=slot_mapping,
+    )
 
 
 def bind_kv_cache(

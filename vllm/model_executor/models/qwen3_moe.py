@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from vllm.distributed import GroupCoordinator
-from vllm.forward_context import current_attn_metadata
 from vllm.model_executor.kernels.common.device_info import runs_gpu_kernels
-from vllm.model_executor.kernels.common.qk_norm_rope import qk_norm_rope_
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -204,23 +203,16 @@ class Qwen3MoeAttention(nn.Module):
         if not runs_gpu_kernels(q) or self.head_dim & (self.head_dim - 1):
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
             return _all_reduce(self.o_proj(self.attn(q, k, v)), self.tp_group)
-        # norms, rotations and, in a batched step, the KV-cache store in one
-        # kernel (power-of-two heads)
-        meta = current_attn_metadata()
-        cache = None if meta is None else self.attn.kv_cache
-        qk_norm_rope_(
-            q,
-            k,
+        # the attention's kernels apply the norms and rotations (power-of-two
+        # heads)
+        norm_rope = QKNormRope(
             self.q_norm.weight,
             self.k_norm.weight,
             self.q_norm.eps,
             self.rotary_emb.cos_sin,
             positions,
-            kv_cache=cache,
-            v=v,
-            slot_mapping=None if meta is None else meta.slot_mapping,
         )
-        out = self.o_proj(self.attn(q, k, v, kv_stored=cache is not None))
+        out = self.o_proj(self.attn(q, k, v, norm_rope))
         return _all_reduce(out, self.tp_group)
 
 

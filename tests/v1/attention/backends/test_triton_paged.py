@@ -4,22 +4,28 @@ CPU tensors under ``TRITON_INTERPRET=1``, or on CUDA where there is one."""
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.v1.attention.backends.torch_paged import (
     PagedAttentionMetadata,
     paged_attention,
     write_kv_cache,
 )
 from vllm.v1.attention.backends.triton_paged import (
+    DecodeKV,
     num_kv_splits,
     triton_paged_attention,
 )
 from vllm.v1.core.block_pool import BlockPool
 
 
-def _step(heads, kv_heads, d, page, chunks, lens, device, dtype=torch.float32):
+def _step(
+    heads, kv_heads, d, page, chunks, lens, device, dtype=torch.float32, cached=None
+):
     """A cache holding ``lens`` tokens per request (NaN in every slot never
-    written) and one step's batch of ``chunks``; returns the inputs of both
-    backends."""
+    written), or only the first ``cached[r]``, and one step's batch of
+    ``chunks``; returns the inputs of both backends."""
     pool = BlockPool(
         num_blocks=sum(-(-n // page) for n in lens.values()) + 2, block_size=page
     )
@@ -31,7 +37,9 @@ def _step(heads, kv_heads, d, page, chunks, lens, device, dtype=torch.float32):
         dtype=dtype,
         device=device,
     )
-    for r, n in lens.items():  # earlier steps cached everything
+    for r, n in (cached or lens).items():  # what earlier steps cached
+        if not n:
+            continue
         meta = PagedAttentionMetadata.build(pool, [(r, 0, n)], device)
         k, v = (torch.randn(n, kv_heads, d, device=device, dtype=dtype) for _ in "kv")
         write_kv_cache(cache, k, v, meta.slot_mapping)
@@ -81,6 +89,111 @@ def test_decode_with_split_kv_matches_torch(device, num_seqs):
     assert num_kv_splits(num_seqs, 2, 1, q.device) > 1
     ref = paged_attention(q, cache, meta, 0.3)
     torch.testing.assert_close(_run(q, cache, meta, 0.3), ref, atol=2e-5, rtol=0)
+
+
+def _norm_rope(d, tokens, device, dtype):
+    """Random q/k norms and a rope table, with the torch layers they stand
+    for (the oracle: checked against ``transformers``)."""
+    norms = []
+    for _ in "qk":
+        norm = RMSNorm(d, 1e-6, dtype=dtype, device=device)
+        norm.weight.copy_(torch.randn(d) * 0.5 + 1)
+        norms.append(norm)
+    rope = RotaryEmbedding(d, 1e6, 4096, device)
+    return norms, rope
+
+
+def _check_decode_new_kv(device, dtype, lens, heads, kv_heads, d):
+    """A decode batch whose keys and values are not yet cached (NaN in
+    their slots): the kernel normalizes and rotates q and k, attends to the
+    new key and value without reading their slots, and stores them there;
+    q, k and v stay as they were, and no other slot changes."""
+    torch.manual_seed(len(lens))
+    names = [str(i) for i in range(len(lens))]
+    total = dict(zip(names, lens, strict=True))
+    chunks = [(r, n - 1, n) for r, n in total.items()]
+    cached = {r: n - 1 for r, n in total.items()}
+    _, cache, meta = _step(heads, kv_heads, d, 16, chunks, total, device, dtype, cached)
+    tokens = len(lens)
+    # q, k and v as strided views of one q/k/v product, as the model passes them
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, d, device=device).to(dtype) * 3
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    positions = torch.tensor(lens, device=device) - 1
+    (q_norm, k_norm), rope = _norm_rope(d, tokens, device, dtype)
+    norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
+    ref_cache = cache.clone()
+    write_kv_cache(ref_cache, ref_k, v, meta.slot_mapping)
+    ref = paged_attention(ref_q.float(), ref_cache.float(), meta, d**-0.5)
+    before = qkv.clone()
+
+    out = triton_paged_attention(
+        q, cache[0], cache[1], meta.block_table, meta.seq_lens,
+        meta.query_start_loc, 1, d**-0.5,
+        DecodeKV(k, v, meta.slot_mapping, norm_rope),
+    )  # fmt: skip
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # the new slots hold the rotated keys and the values, every other slot
+    # (NaN or cached) is untouched
+    torch.testing.assert_close(cache, ref_cache, equal_nan=True, atol=tol, rtol=tol)
+    flat = cache.view(2, -1, kv_heads, d)
+    assert torch.equal(flat[1, meta.slot_mapping], v)
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lens"),
+    [
+        # one request: 32 splits, most of them empty; 65 puts the new token
+        # first in its KV tile, alone in its split's share
+        (torch.float32, [65]),
+        (torch.float32, [150, 1, 77]),  # a first token: no cached key at all
+        # (16-bit on CPU: fp16, since the interpreter's bf16 dots are wrong)
+        (torch.float16, [150, 1, 77, 64, 16, 5, 9, 130]),
+    ],
+)
+def test_decode_new_kv_matches_norm_rope_then_attention(device, dtype, lens):
+    _check_decode_new_kv(device, dtype, lens, 4, 2, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_seqs", [1, 5, 40])
+def test_decode_new_kv_with_qwen3_heads_on_gpu(num_seqs):
+    """Qwen3-30B-A3B's heads in bf16, from 32 splits per request to one."""
+    lens = [1 + (97 * i + 511) % 700 for i in range(num_seqs)]
+    _check_decode_new_kv("cuda", torch.bfloat16, lens, 32, 4, 128)
+
+
+def test_new_kv_refusals_name_the_argument(device):
+    q, cache, meta = _step(4, 2, 16, 4, [("a", 2, 3)], {"a": 3}, device)
+    k = torch.randn(1, 2, 16, device=device)
+    (q_norm, k_norm), rope = _norm_rope(16, 1, device, torch.float32)
+    positions = torch.tensor([2], device=device)
+    norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+
+    def attend(max_query_len=1, **fields):
+        new_kv = {"k": k, "v": k, "slot_mapping": meta.slot_mapping} | fields
+        return triton_paged_attention(
+            q, cache[0], cache[1], meta.block_table, meta.seq_lens,
+            meta.query_start_loc, max_query_len, 1.0,
+            DecodeKV(norm_rope=norm_rope, **new_kv),
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="new_kv: expected a decode batch"):
+        attend(max_query_len=2)
+    with pytest.raises(ValueError, match=r"k: expected torch.float32 \[1, 2, 16\]"):
+        attend(k=k[:, :1])
+    with pytest.raises(ValueError, match="v: expected"):
+        attend(v=k.half())
+    with pytest.raises(ValueError, match="slot_mapping: expected contiguous"):
+        attend(slot_mapping=meta.slot_mapping.int())
+    with pytest.raises(ValueError, match="positions: expected"):
+        norm_rope = QKNormRope(
+            q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions.int()
+        )
+        attend()
 
 
 def test_q_as_a_view_of_the_fused_qkv_product(device):

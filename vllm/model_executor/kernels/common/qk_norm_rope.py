@@ -6,14 +6,19 @@ Qwen3 normalizes every query and key head before RoPE. In plain PyTorch
 that is some twenty small kernels per layer (two norms, the cos/sin
 gather, the rotations), and the cache write two more; at decode sizes
 their launches dominate the attention's time. One program takes one
-token's heads of one tensor (queries, keys, or values to store). It
-rounds where ``transformers`` does (normed to the dtype, scaled in it; cos
-and sin rounded; ``x * cos`` and ``rotate_half(x) * sin`` each rounded
-before the sum); 16-bit results match the reference up to the roundings
-that the fp32 sum order moves.
+token's heads of one tensor (queries, keys, or values to store). Decode
+batches skip this launch: paged attention applies the same device
+functions (``norm_rope_heads``) to the heads it reads
+(``triton_paged.DecodeKV``). It rounds where ``transformers`` does
+(normed to the dtype, scaled in it; cos and sin rounded; ``x * cos``
+and ``rotate_half(x) * sin`` each rounded before the sum); 16-bit
+results match the reference up to the roundings that the fp32 sum order
+moves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,6 +26,20 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import check_contiguous
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+
+
+@dataclass(frozen=True)
+class QKNormRope:
+    """Qwen3's per-head RMSNorm then RoPE of queries and keys: the weights,
+    the norms' ``eps`` (the config gives both the same), each position's
+    cos and sin [2, max_position, head_size] fp32, and the tokens' positions
+    [T] int64."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
 
 
 @triton.jit
@@ -36,7 +55,17 @@ def _norm_row(x_ptr, weight_ptr, offs, mask, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_heads(row, mask, weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
+def rope_cos_sin(cos_sin_ptr, stride_sin, pos, dtype, HEAD_DIM: tl.constexpr):
+    """Position ``pos``'s cos and sin [HEAD_DIM], rounded to ``dtype`` (as
+    the reference rounds them) and back to fp32."""
+    d = tl.arange(0, HEAD_DIM)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + stride_sin + pos * HEAD_DIM + d)
+    return cos, sin.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def norm_rope_heads(row, mask, weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
     """The heads at ``row`` [BLOCK_H, 1] normed and rotated, in their dtype."""
     d = tl.arange(0, HEAD_DIM)
     half = HEAD_DIM // 2
@@ -96,25 +125,24 @@ def _qk_norm_rope_kernel(
             v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
             tl.store(cache_row + stride_cache, tl.load(v_row, kv_mask), kv_mask)
     else:
-        dtype = q_ptr.dtype.element_ty
         pos = tl.load(positions_ptr + t)
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d).to(dtype).to(tl.float32)
-        sin = tl.load(cos_sin_ptr + stride_cs + pos * HEAD_DIM + d)
-        sin = sin.to(dtype).to(tl.float32)
+        cos, sin = rope_cos_sin(
+            cos_sin_ptr, stride_cs, pos, q_ptr.dtype.element_ty, HEAD_DIM
+        )
         if role == 0:
             row = q_ptr + t * stride_qt + h[:, None] * stride_qh
             mask = (h < q_heads)[:, None]
-            x = _norm_rope_heads(row, mask, q_weight_ptr, cos, sin, eps, HEAD_DIM)
+            x = norm_rope_heads(row, mask, q_weight_ptr, cos, sin, eps, HEAD_DIM)
             tl.store(row + d[None, :], x, mask)
         else:
             row = k_ptr + t * stride_kt + h[:, None] * stride_kh
-            x = _norm_rope_heads(row, kv_mask, k_weight_ptr, cos, sin, eps, HEAD_DIM)
+            x = norm_rope_heads(row, kv_mask, k_weight_ptr, cos, sin, eps, HEAD_DIM)
             tl.store(row + d[None, :], x, kv_mask)
             if WITH_CACHE:
                 tl.store(cache_row, x, kv_mask)
 
 
-def _check_heads(
+def check_heads(
     name: str, x: torch.Tensor, like: torch.Tensor, heads: int | None = None
 ) -> None:
     """``x`` is [T, heads, head_size] as ``like`` (q) is, heads at unit
@@ -133,6 +161,43 @@ def _check_heads(
             f"{name}: expected {like.dtype} [{tokens}, {heads or 'heads'}, "
             f"{head_size}] with unit stride on {like.device}, got {x.dtype} "
             f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}"
+        )
+
+
+def check_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Raise naming the argument unless ``q`` [T, heads, head_size] (a power
+    of two) and ``k`` [T, kv_heads, head_size] have heads at unit stride, the
+    weights are [head_size], ``cos_sin`` is contiguous fp32 [2, positions,
+    head_size] and ``positions`` contiguous int64 [T]."""
+    if q.dim() != 3 or q.shape[2] % 2 or q.shape[2] & (q.shape[2] - 1):
+        raise ValueError(
+            f"q: expected [T, heads, head_size] with head_size a power of two, "
+            f"got {tuple(q.shape)}"
+        )
+    tokens, _, head_size = q.shape
+    check_heads("q", q, q)
+    check_heads("k", k, q)
+    if (
+        cos_sin.dtype != torch.float32
+        or cos_sin.shape[::2] != (2, head_size)
+        or not cos_sin.is_contiguous()
+    ):
+        raise ValueError(
+            f"cos_sin: expected contiguous fp32 [2, positions, {head_size}], got "
+            f"{cos_sin.dtype} {tuple(cos_sin.shape)}"
+        )
+    check_contiguous("positions", positions, torch.long, [tokens], q.device)
+    if {q_weight.shape, k_weight.shape} != {(head_size,)}:
+        raise ValueError(
+            f"q_weight/k_weight: expected [{head_size}] each, got "
+            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
         )
 
 
@@ -157,36 +222,15 @@ def qk_norm_rope_(
     slots are the caller's to keep in range: they are not checked, which
     would cost a device sync). ``eps`` is both norms' (Qwen3 gives them
     the config's one)."""
-    if q.dim() != 3 or q.shape[2] % 2 or q.shape[2] & (q.shape[2] - 1):
-        raise ValueError(
-            f"q: expected [T, heads, head_size] with head_size a power of two, "
-            f"got {tuple(q.shape)}"
-        )
+    check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
     tokens, q_heads, head_size = q.shape
-    _check_heads("q", q, q)
-    _check_heads("k", k, q)
     kv_heads = k.shape[1]
-    if (
-        cos_sin.dtype != torch.float32
-        or cos_sin.shape[::2] != (2, head_size)
-        or not cos_sin.is_contiguous()
-    ):
-        raise ValueError(
-            f"cos_sin: expected contiguous fp32 [2, positions, {head_size}], got "
-            f"{cos_sin.dtype} {tuple(cos_sin.shape)}"
-        )
-    check_contiguous("positions", positions, torch.long, [tokens], q.device)
-    if {q_weight.shape, k_weight.shape} != {(head_size,)}:
-        raise ValueError(
-            f"q_weight/k_weight: expected [{head_size}] each, got "
-            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
-        )
     if kv_cache is None:  # the kernel reads none of these without a cache
         cache, values, slots = q, k, positions
     else:
         if v is None or slot_mapping is None:
             raise ValueError("v/slot_mapping: expected both with a kv_cache")
-        _check_heads("v", v, q, kv_heads)
+        check_heads("v", v, q, kv_heads)
         # [2, blocks, block_size, kv_heads, head_size]
         cache_shape = (2, *kv_cache.shape[1:3], kv_heads, head_size)
         check_contiguous("kv_cache", kv_cache, q.dtype, cache_shape, q.device)

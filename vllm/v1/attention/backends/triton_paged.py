@@ -19,22 +19,52 @@ Combining in the last split to finish instead (an atomic counter per token
 and KV head) took the kernel from 4.6 to 13.1 us per layer at batch 1 on
 the H200 (Qwen3-30B-A3B, CUDA-graph replay), against 2.1 us for the second
 kernel.
+
+In a decode batch (one new token per request) the kernel can also take
+the queries, keys and values as the q/k/v GEMM left them (``DecodeKV``):
+each program normalizes and rotates its group's query heads, and the
+program whose split holds a request's last position normalizes and
+rotates that token's key, stores the key and value in the cache and adds
+them to its softmax itself (the cache slot is not read). That is the
+work of ``qk_norm_rope_``'s launch, which the step then skips.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.checks import check_contiguous
 from vllm.model_executor.kernels.common.device_info import num_sms
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.qk_norm_rope import (
+    QKNormRope,
+    check_heads,
+    check_qk_norm_rope,
+    norm_rope_heads,
+    rope_cos_sin,
+)
 
 _MAX_SPLITS = 32
 _KV_TILE = 64  # tokens per KV tile (several cache blocks)
 _PREFILL_ROWS = 64  # (token, head) rows per program in batches with prefill
+
+
+@dataclass(frozen=True)
+class DecodeKV:
+    """A decode batch's keys and values [T, kv_heads, head_size] as the
+    q/k/v GEMM left them (heads at unit stride), the cache slots [T] int64
+    they belong at, and the norm + RoPE that they and the queries still
+    need: the attention kernel applies it and stores them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    norm_rope: QKNormRope
 
 
 @triton.jit
@@ -62,10 +92,23 @@ def _paged_attention_kernel(
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_ptr,  # [B + 1] int32
+    k_ptr,  # [T, KVH, D]: the new keys (NEW_KV)
+    v_ptr,  # [T, KVH, D]: the new values (NEW_KV)
+    slots_ptr,  # [T] int64 (NEW_KV)
+    q_weight_ptr,  # [D] (NEW_KV)
+    k_weight_ptr,  # [D] (NEW_KV)
+    cos_sin_ptr,  # [2, max_position, D] fp32 (NEW_KV)
+    positions_ptr,  # [T] int64 (NEW_KV)
+    eps,
     num_seqs,
     qk_scale,  # softmax scale * log2(e): exponentials in base 2
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_sin,
     stride_ot,
     stride_oh,
     stride_cb,
@@ -81,6 +124,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (as the oracle), not tf32
+    NEW_KV: tl.constexpr,  # a decode batch's raw q/k/v (BLOCK_Q == 1)
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -105,30 +149,38 @@ def _paged_attention_kernel(
     q_pos = context + token
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr
-        + (q_start + token)[:, None] * stride_qt
-        + head[:, None] * stride_qh
-        + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q_row = q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
+    if NEW_KV:  # the request's one token (D_PAD == HEAD_DIM)
+        t_new = q_start.to(tl.int64)
+        cos, sin = rope_cos_sin(
+            cos_sin_ptr,
+            stride_sin,
+            tl.load(positions_ptr + t_new),
+            q_ptr.dtype.element_ty,
+            HEAD_DIM,
+        )
+        q_ok = row_ok[:, None]
+        q = norm_rope_heads(q_row, q_ok, q_weight_ptr, cos, sin, eps, HEAD_DIM)
+    else:
+        q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # KV tiles up to the causal limit of this block's last token, this
-    # split's share of them.
+    # split's share of them; NEW_KV reads the last position from k/v instead.
     kv_len = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)
+    cached_len = kv_len - 1 if NEW_KV else kv_len
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
+    last_cached = q_pos - 1 if NEW_KV else q_pos  # the last key from the cache
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     cols = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * BLOCK_N + cols
-        kv_ok = kv_pos < kv_len
+        kv_ok = kv_pos < cached_len
         block = tl.load(
             block_table_ptr + seq * stride_bt + kv_pos // PAGE, mask=kv_ok, other=0
         )
@@ -142,7 +194,7 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(kv_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        s = tl.where(kv_pos[None, :] <= last_cached[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows
         p = tl.exp2(s - m_safe[:, None])
@@ -150,6 +202,37 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if NEW_KV:
+        new_tile = (kv_len - 1) // BLOCK_N
+        if (tile_lo <= new_tile) & (new_tile < tile_hi):
+            # This split holds the token's own position: its key and value.
+            kv_row = tl.zeros([1, 1], tl.int64)  # one head, as norm_rope_heads takes
+            k_new = norm_rope_heads(
+                kv_row + k_ptr + t_new * stride_kt + kv_head * stride_kh,
+                kv_row == 0,
+                k_weight_ptr,
+                cos,
+                sin,
+                eps,
+                HEAD_DIM,
+            )
+            v_new = tl.load(
+                v_ptr + t_new * stride_vt + kv_head * stride_vh + d[None, :]
+            )
+            slot = tl.load(slots_ptr + t_new)
+            dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+            dst += kv_head * stride_ch + d[None, :]
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            p = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p
+            # p rounded to the values' dtype, as the tiles' dot takes it
+            p_v = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            acc = acc * alpha[:, None] + p_v
+            m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: no keys
     out = acc / l_safe[:, None]
@@ -211,6 +294,29 @@ def num_kv_splits(
     return min(_MAX_SPLITS, 1 << (wanted - 1).bit_length())
 
 
+def _check_new_kv(
+    new_kv: DecodeKV, q: torch.Tensor, kv_heads: int, max_query_len: int
+) -> None:
+    if max_query_len != 1:
+        raise ValueError(
+            f"new_kv: expected a decode batch (max_query_len 1), got "
+            f"max_query_len={max_query_len}"
+        )
+    norm_rope = new_kv.norm_rope
+    check_qk_norm_rope(
+        q,
+        new_kv.k,
+        norm_rope.q_weight,
+        norm_rope.k_weight,
+        norm_rope.cos_sin,
+        norm_rope.positions,
+    )
+    check_heads("k", new_kv.k, q, kv_heads)
+    check_heads("v", new_kv.v, q, kv_heads)
+    slots = new_kv.slot_mapping
+    check_contiguous("slot_mapping", slots, torch.long, [q.shape[0]], q.device)
+
+
 def triton_paged_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -220,10 +326,14 @@ def triton_paged_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    new_kv: DecodeKV | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, H, D] (the batch's new tokens, request after
     request) over the paged caches [num_blocks, block_size, KVH, D], whose
-    slots for the new tokens are already written; returns [T, H * D].
+    slots for the new tokens are already written, or, with ``new_kv`` (a
+    decode batch: ``max_query_len`` 1, a power-of-two head size), whose
+    new keys and values it writes itself after normalizing and rotating
+    them and ``q`` (left as they were in memory); returns [T, H * D].
     ``max_query_len`` must bound every request's new tokens."""
     tokens, heads, head_dim = q.shape
     _, page, kv_heads, cache_dim = key_cache.shape
@@ -267,6 +377,8 @@ def triton_paged_attention(
             f"q/max_query_len: expected a contiguous head_size and >= 1, got "
             f"{q.stride()} and {max_query_len}"
         )
+    if new_kv is not None:
+        _check_new_kv(new_kv, q, kv_heads, max_query_len)
     # A step with prefill may be a CUDA graph padded past its last request:
     # no program writes those rows, and zeros keep them finite (garbage could
     # be NaN, and NaN rows all route to the same experts).
@@ -289,6 +401,12 @@ def triton_paged_attention(
     d_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     launch_pdl = pdl(q.device)
+    # without new_kv the kernel reads none of these
+    k, v, slots, norm_rope = (
+        (q, q, seq_lens, None)
+        if new_kv is None
+        else (new_kv.k, new_kv.v, new_kv.slot_mapping, new_kv.norm_rope)
+    )
     _paged_attention_kernel[grid](
         partial,
         lse,
@@ -298,10 +416,23 @@ def triton_paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        k,
+        v,
+        slots,
+        q if norm_rope is None else norm_rope.q_weight,
+        q if norm_rope is None else norm_rope.k_weight,
+        q if norm_rope is None else norm_rope.cos_sin,
+        seq_lens if norm_rope is None else norm_rope.positions,
+        0.0 if norm_rope is None else norm_rope.eps,
         num_seqs,
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        0 if norm_rope is None else norm_rope.cos_sin.stride(0),
         out.stride(0),
         out.stride(1),
         key_cache.stride(0),
@@ -317,6 +448,7 @@ def triton_paged_attention(
         BLOCK_N=_KV_TILE,
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NEW_KV=new_kv is not None,
         PDL=launch_pdl,
         launch_pdl=launch_pdl,
     )
