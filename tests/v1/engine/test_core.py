@@ -201,7 +201,7 @@ def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypat
     through chunked prefills and decodes that read the keys they stored."""
     indices = [0, 5, 9]
     reference = outputs(run(engine_factory(max_num_batched_tokens=8), indices))
-    stored, fused = [], []
+    stored, attended = [], []
     real_store, real_attend = attention.qk_norm_rope_, attention.triton_paged_attention
 
     def store(*args, **kwargs):
@@ -209,15 +209,20 @@ def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypat
         return real_store(*args, **kwargs)
 
     def attend(*args):
-        fused.append(args[-1] is not None)
+        max_query_len, new_kv = args[6], args[-1]
+        attended.append((max_query_len == 1, new_kv is not None))
         return real_attend(*args)
 
-    monkeypatch.setattr(qwen3_moe, "runs_gpu_kernels", lambda t: True)
+    for module in (qwen3_moe, attention):
+        monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
     monkeypatch.setattr(attention, "qk_norm_rope_", store)
     monkeypatch.setattr(attention, "triton_paged_attention", attend)
     got = run(engine_factory(max_num_batched_tokens=8), indices)
     assert stored and all(stored)  # every step with prefill stored through it
-    assert fused and all(fused)  # and every decode step in attention
+    # decode steps (and only they) left it to the attention kernel
+    assert {decode for decode, _ in attended} == {True, False}
+    assert all(decode == fused for decode, fused in attended)
+    assert len(stored) == sum(not decode for decode, _ in attended)
     assert outputs(got) == reference
 
 

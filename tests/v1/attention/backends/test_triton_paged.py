@@ -4,7 +4,7 @@ CPU tensors under ``TRITON_INTERPRET=1``, or on CUDA where there is one."""
 import pytest
 import torch
 
-from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.v1.attention.backends.torch_paged import (
@@ -91,7 +91,7 @@ def test_decode_with_split_kv_matches_torch(device, num_seqs):
     torch.testing.assert_close(_run(q, cache, meta, 0.3), ref, atol=2e-5, rtol=0)
 
 
-def _norm_rope(d, tokens, device, dtype):
+def _norm_rope(d, device, dtype):
     """Random q/k norms and a rope table, with the torch layers they stand
     for (the oracle: checked against ``transformers``)."""
     norms = []
@@ -119,7 +119,7 @@ def _check_decode_new_kv(device, dtype, lens, heads, kv_heads, d):
     qkv = torch.randn(tokens, heads + 2 * kv_heads, d, device=device).to(dtype) * 3
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     positions = torch.tensor(lens, device=device) - 1
-    (q_norm, k_norm), rope = _norm_rope(d, tokens, device, dtype)
+    (q_norm, k_norm), rope = _norm_rope(d, device, dtype)
     norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
     ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
     ref_cache = cache.clone()
@@ -145,16 +145,51 @@ def _check_decode_new_kv(device, dtype, lens, heads, kv_heads, d):
 @pytest.mark.parametrize(
     ("dtype", "lens"),
     [
-        # one request: 32 splits, most of them empty; 65 puts the new token
-        # first in its KV tile, alone in its split's share
+        # one request over several splits (4 on the CPU's 8 "SMs", 32 on the
+        # H200), some empty; 65 puts the new token first in its KV tile
         (torch.float32, [65]),
         (torch.float32, [150, 1, 77]),  # a first token: no cached key at all
         # (16-bit on CPU: fp16, since the interpreter's bf16 dots are wrong)
-        (torch.float16, [150, 1, 77, 64, 16, 5, 9, 130]),
+        (torch.float16, [150]),
+        (torch.float16, [150, 1, 77, 64, 16, 5, 9, 130]),  # one split each
     ],
 )
 def test_decode_new_kv_matches_norm_rope_then_attention(device, dtype, lens):
     _check_decode_new_kv(device, dtype, lens, 4, 2, 32)
+
+
+@pytest.mark.parametrize("lens", [[150], [33, 1, 70]])
+def test_decode_new_kv_equals_the_separate_kernels(device, lens):
+    """Fused and apart (``qk_norm_rope_`` storing k and v, then attention
+    reading them from the cache) agree in fp16 within an ulp or two of the
+    output: the same roundings, only the new key's place in the fp32 sums
+    differs."""
+    torch.manual_seed(7)
+    heads, kv_heads, d, dtype = 4, 2, 32, torch.float16
+    total = {str(i): n for i, n in enumerate(lens)}
+    chunks = [(r, n - 1, n) for r, n in total.items()]
+    cached = {r: n - 1 for r, n in total.items()}
+    _, cache, meta = _step(heads, kv_heads, d, 16, chunks, total, device, dtype, cached)
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, device=device).to(dtype)
+    (q_norm, k_norm), rope = _norm_rope(d, device, dtype)
+    positions = torch.tensor(lens, device=device) - 1
+    weights = (q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    runs = []
+    for fused in (True, False):
+        step_qkv, step_cache = qkv.clone(), cache.clone()
+        q, k, v = step_qkv.split([heads, kv_heads, kv_heads], dim=1)
+        new_kv = DecodeKV(k, v, meta.slot_mapping, QKNormRope(*weights))
+        if not fused:
+            qk_norm_rope_(q, k, *weights, kv_cache=step_cache, v=v,
+                          slot_mapping=meta.slot_mapping)  # fmt: skip
+        out = triton_paged_attention(
+            q, step_cache[0], step_cache[1], meta.block_table, meta.seq_lens,
+            meta.query_start_loc, 1, d**-0.5, new_kv if fused else None,
+        )  # fmt: skip
+        runs.append((out, step_cache))
+    (fused_out, fused_cache), (apart_out, apart_cache) = runs
+    torch.testing.assert_close(fused_out, apart_out, atol=2e-3, rtol=2e-3)
+    assert torch.equal(fused_cache.nan_to_num(), apart_cache.nan_to_num())
 
 
 @pytest.mark.gpu
@@ -169,7 +204,7 @@ def test_decode_new_kv_with_qwen3_heads_on_gpu(num_seqs):
 def test_new_kv_refusals_name_the_argument(device):
     q, cache, meta = _step(4, 2, 16, 4, [("a", 2, 3)], {"a": 3}, device)
     k = torch.randn(1, 2, 16, device=device)
-    (q_norm, k_norm), rope = _norm_rope(16, 1, device, torch.float32)
+    (q_norm, k_norm), rope = _norm_rope(16, device, torch.float32)
     positions = torch.tensor([2], device=device)
     norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
 

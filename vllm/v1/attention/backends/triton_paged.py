@@ -297,6 +297,7 @@ def num_kv_splits(
 def _check_new_kv(
     new_kv: DecodeKV, q: torch.Tensor, kv_heads: int, max_query_len: int
 ) -> None:
+    """Raise naming the field of ``new_kv`` that does not fit ``q``."""
     if max_query_len != 1:
         raise ValueError(
             f"new_kv: expected a decode batch (max_query_len 1), got "
@@ -401,12 +402,15 @@ def triton_paged_attention(
     d_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     launch_pdl = pdl(q.device)
-    # without new_kv the kernel reads none of these
-    k, v, slots, norm_rope = (
-        (q, q, seq_lens, None)
-        if new_kv is None
-        else (new_kv.k, new_kv.v, new_kv.slot_mapping, new_kv.norm_rope)
-    )
+    if new_kv is None:  # the kernel reads none of these
+        k = v = q_weight = k_weight = cos_sin = q
+        slots = positions = seq_lens
+        eps = 0.0
+    else:
+        k, v, slots = new_kv.k, new_kv.v, new_kv.slot_mapping
+        norm_rope = new_kv.norm_rope
+        q_weight, k_weight = norm_rope.q_weight, norm_rope.k_weight
+        cos_sin, positions, eps = norm_rope.cos_sin, norm_rope.positions, norm_rope.eps
     _paged_attention_kernel[grid](
         partial,
         lse,
@@ -419,11 +423,11 @@ def triton_paged_attention(
         k,
         v,
         slots,
-        q if norm_rope is None else norm_rope.q_weight,
-        q if norm_rope is None else norm_rope.k_weight,
-        q if norm_rope is None else norm_rope.cos_sin,
-        seq_lens if norm_rope is None else norm_rope.positions,
-        0.0 if norm_rope is None else norm_rope.eps,
+        q_weight,
+        k_weight,
+        cos_sin,
+        positions,
+        eps,
         num_seqs,
         scale * math.log2(math.e),
         q.stride(0),
@@ -432,7 +436,7 @@ def triton_paged_attention(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        0 if norm_rope is None else norm_rope.cos_sin.stride(0),
+        cos_sin.stride(0),
         out.stride(0),
         out.stride(1),
         key_cache.stride(0),
