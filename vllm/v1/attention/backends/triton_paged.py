@@ -26,7 +26,10 @@ each program normalizes and rotates its group's query heads, and the
 program whose split holds a request's last position normalizes and
 rotates that token's key, stores the key and value in the cache and adds
 them to its softmax itself (the cache slot is not read). That is the
-work of ``qk_norm_rope_``'s launch, which the step then skips.
+work of ``qk_norm_rope_``'s launch, which the step then skips. Every key
+such a kernel reads from the cache is then an earlier step's: with split
+KV (a few tiles per program) the first tile loads before the PDL wait,
+while the q/k/v GEMM finishes.
 """
 
 from __future__ import annotations
@@ -83,6 +86,50 @@ def _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, block_table_ptr, seq, tile, cached_len, kv_head, d,
+    d_ok, stride_bt, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """KV head ``kv_head``'s keys and values [BLOCK_N, D_PAD] at the
+    request's positions of ``tile``, zeros from ``cached_len`` on."""
+    kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_ok = kv_pos < cached_len
+    block = tl.load(
+        block_table_ptr + seq * stride_bt + kv_pos // PAGE, mask=kv_ok, other=0
+    )
+    offs = (
+        block.to(tl.int64)[:, None] * stride_cb
+        + (kv_pos % PAGE)[:, None] * stride_cs
+        + kv_head * stride_ch
+        + d[None, :]
+    )
+    kv_mask = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, tile, last_cached, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The online softmax's state after the keys of ``tile`` up to each
+    row's ``last_cached`` position."""
+    kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(kv_pos[None, :] <= last_cached[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D] (strided), or partials [T, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [T, H, NUM_SPLITS] fp32 (NUM_SPLITS > 1 only)
@@ -125,30 +172,52 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (as the oracle), not tf32
     NEW_KV: tl.constexpr,  # a decode batch's raw q/k/v (BLOCK_Q == 1)
+    # NEW_KV over split KV: the first tile loaded before the PDL wait (a few
+    # tiles per program; with one split the registers it holds cost more
+    # resident programs than it saves)
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata is the host's, written before the step's kernels.
     seq = _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    # KV tiles up to the causal limit of this block's last token, this
+    # split's share of them; NEW_KV reads the last position from k/v instead.
+    kv_len = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)
+    cached_len = kv_len - 1 if NEW_KV else kv_len
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    active = q_block * BLOCK_Q < q_len
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if PREFETCH:
+        # Every key read from the cache is an earlier step's: the first
+        # tile streams while the previous kernel finishes.
+        k_first, v_first = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, tile_lo,
+            tl.where(active, cached_len, 0), kv_head, d, d_ok, stride_bt,
+            stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N,
+        )  # fmt: skip
     # The queries and the step's keys are the previous kernel's; the wait
     # (which releases the next kernel) comes before any early exit
     pdl_wait(PDL)
-    if q_block * BLOCK_Q >= q_len:
+    if not active:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)
     token = q_block * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
     q_pos = context + token
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
     q_row = q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     if NEW_KV:  # the request's one token (D_PAD == HEAD_DIM)
         t_new = q_start.to(tl.int64)
@@ -164,44 +233,26 @@ def _paged_attention_kernel(
     else:
         q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # KV tiles up to the causal limit of this block's last token, this
-    # split's share of them; NEW_KV reads the last position from k/v instead.
-    kv_len = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)
-    cached_len = kv_len - 1 if NEW_KV else kv_len
-    num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-
     last_cached = q_pos - 1 if NEW_KV else q_pos  # the last key from the cache
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    for tile in range(tile_lo, tile_hi):
-        kv_pos = tile * BLOCK_N + cols
-        kv_ok = kv_pos < cached_len
-        block = tl.load(
-            block_table_ptr + seq * stride_bt + kv_pos // PAGE, mask=kv_ok, other=0
+    first = tile_lo
+    if PREFETCH:  # (an empty split's first tile is past the causal limit)
+        m_i, l_i, acc = _attend_tile(
+            q, k_first, v_first, tile_lo, last_cached, m_i, l_i, acc, qk_scale,
+            BLOCK_N, PRECISION,
+        )  # fmt: skip
+        first += 1
+    for tile in range(first, tile_hi):
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, tile, cached_len,
+            kv_head, d, d_ok, stride_bt, stride_cb, stride_cs, stride_ch, PAGE,
+            BLOCK_N,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_tile(
+            q, k, v, tile, last_cached, m_i, l_i, acc, qk_scale, BLOCK_N, PRECISION
         )
-        offs = (
-            block.to(tl.int64)[:, None] * stride_cb
-            + (kv_pos % PAGE)[:, None] * stride_cs
-            + kv_head * stride_ch
-            + d[None, :]
-        )
-        kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(kv_pos[None, :] <= last_cached[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
     if NEW_KV:
         new_tile = (kv_len - 1) // BLOCK_N
         if (tile_lo <= new_tile) & (new_tile < tile_hi):
@@ -453,6 +504,7 @@ def triton_paged_attention(
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEW_KV=new_kv is not None,
+        PREFETCH=new_kv is not None and splits > 1,
         PDL=launch_pdl,
         launch_pdl=launch_pdl,
     )
