@@ -7,7 +7,10 @@ several batch sizes and context lengths, and prefill chunks; the rival is
 [B, KV heads, L, D] cache (what a user of plain PyTorch runs; it cannot
 read a paged cache). Both are timed in CUDA graphs, in turn; decode reports
 the KV bytes read per second and their fraction of the copy bandwidth,
-prefill its TFLOP/s.
+prefill its TFLOP/s. Decode also times the step as Qwen3 runs it, from the
+q/k/v product: the per-head q/k norm + RoPE and the cache store in their
+own kernel before attention ("apart"), and inside it (``DecodeKV``,
+"fused"), in turn with the others.
 
     python -m benchmarks.kernels.benchmark_paged_attention
 """
@@ -27,7 +30,9 @@ from vllm.benchmarks.utils import (
     time_graphs_us,
     write_results,
 )
-from vllm.v1.attention.backends.triton_paged import triton_paged_attention
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.v1.attention.backends.triton_paged import DecodeKV, triton_paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 4, 128, 16
 DECODE = [(1, 1024), (1, 8192), (16, 2048), (64, 2048), (256, 1024), (256, 4096)]
@@ -42,12 +47,14 @@ class Row:
     triton_us: float
     sdpa_us: float
     speedup: float
+    apart_us: float | None  # decode from the q/k/v product: norm + RoPE kernel
+    fused_us: float | None  # ... inside attention
     rate: float  # decode: KV GB/s; prefill: TFLOP/s
     ceiling_frac: float  # of the copy bandwidth, or of the bf16 peak
 
 
 def _case(batch: int, context: int, new: int):
-    """Inputs of both kernels: ``batch`` sequences of ``context`` cached
+    """The steps to time on ``batch`` sequences of ``context`` cached
     tokens, the last ``new`` of each being this step's queries."""
     blocks = batch * context // PAGE
     kv = torch.randn(2, blocks + 1, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
@@ -76,7 +83,41 @@ def _case(batch: int, context: int, new: int):
                 sdpa_q, k, v, is_causal=True, enable_gqa=True
             )
 
-    return ours, sdpa
+    steps = {"ours": ours, "sdpa": sdpa}
+    if new == 1:
+        steps |= _from_qkv(kv, table, seq_lens, starts, context)
+    return steps
+
+
+def _from_qkv(kv, table, seq_lens, starts, context):
+    """The decode step from Qwen3's q/k/v product: the norms, rotations and
+    cache store as their own kernel, then attention; or all in attention."""
+    batch = table.shape[0]
+    qkv = torch.randn(
+        batch, HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16
+    )
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    rope = RotaryEmbedding(HEAD_DIM, 1e6, context, torch.device("cuda"))
+    positions = torch.full((batch,), context - 1, device="cuda")
+    last = (context - 1) // PAGE
+    slots = table[:, last].long() * PAGE + (context - 1) % PAGE
+    weight = torch.ones(HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    norm_rope = QKNormRope(weight, weight, 1e-6, rope.cos_sin, positions)
+    new_kv = DecodeKV(k, v, slots, norm_rope)
+
+    def apart(_: int) -> None:
+        qk_norm_rope_(
+            q, k, weight, weight, 1e-6, rope.cos_sin, positions,
+            kv_cache=kv, v=v, slot_mapping=slots,
+        )  # fmt: skip
+        triton_paged_attention(q, kv[0], kv[1], table, seq_lens, starts, 1, 0.08)
+
+    def fused(_: int) -> None:
+        triton_paged_attention(
+            q, kv[0], kv[1], table, seq_lens, starts, 1, 0.08, new_kv
+        )
+
+    return {"apart": apart, "fused": fused}
 
 
 def main() -> None:
@@ -91,8 +132,7 @@ def main() -> None:
     for kind, cases in (("decode", DECODE), ("prefill", PREFILL)):
         for batch, context in cases:
             new = 1 if kind == "decode" else context
-            ours, sdpa = _case(batch, context, new)
-            times = time_graphs_us({"ours": ours, "sdpa": sdpa}, iters=20)
+            times = time_graphs_us(_case(batch, context, new), iters=20)
             if kind == "decode":
                 kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
                 rate = kv_bytes / times["ours"] / 1e3
@@ -109,6 +149,8 @@ def main() -> None:
                     times["ours"],
                     times["sdpa"],
                     times["sdpa"] / times["ours"],
+                    times.get("apart"),
+                    times.get("fused"),
                     rate,
                     frac,
                 )
@@ -120,7 +162,8 @@ def main() -> None:
     )
     head = (
         f"{'kind':>7} {'batch':>5} {'context':>7} | {'triton us':>9} {'SDPA us':>8} "
-        f"{'x SDPA':>6} | {'rate':>14} {'of ceiling':>10}"
+        f"{'x SDPA':>6} | {'rate':>14} {'of ceiling':>10} | {'apart us':>8} "
+        f"{'fused us':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -129,9 +172,14 @@ def main() -> None:
         print(
             f"{r.kind:>7} {r.batch:>5} {r.context:>7} | {r.triton_us:>9.1f} "
             f"{r.sdpa_us:>8.1f} {r.speedup:>6.2f} | {r.rate:>6.0f} {unit:<7} "
-            f"{100 * r.ceiling_frac:>9.0f}%"
+            f"{100 * r.ceiling_frac:>9.0f}% | {_us(r.apart_us):>8} "
+            f"{_us(r.fused_us):>8}"
         )
     write_results(args.output_json, device, rows)
+
+
+def _us(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}"
 
 
 if __name__ == "__main__":
