@@ -167,6 +167,7 @@ def _paged_attention_kernel(
     D_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    DECODE: tl.constexpr,  # max_query_len 1 (BLOCK_Q 1): one program per request
     BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -182,10 +183,11 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # The step's metadata is the host's, written before the step's kernels.
-    seq = _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q)
+    # (at most one new token per request in DECODE: program p takes request p)
+    seq = pid if DECODE else _find_request(query_start_ptr, num_seqs, pid, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
+    q_block = 0 if DECODE else pid - (q_start // BLOCK_Q + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
     # KV tiles up to the causal limit of this block's last token, this
@@ -448,8 +450,10 @@ def triton_paged_attention(
         lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
     else:
         partial, lse = out, out  # lse unused
-    # Every request's query blocks fit in T // BLOCK_Q + B programs.
-    grid = (tokens // block_q + num_seqs, kv_heads, splits)
+    # Every request's query blocks fit in T // BLOCK_Q + B programs; a
+    # decode batch's in B.
+    decode = max_query_len == 1
+    grid = (num_seqs if decode else tokens // block_q + num_seqs, kv_heads, splits)
     d_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     launch_pdl = pdl(q.device)
@@ -499,6 +503,7 @@ def triton_paged_attention(
         D_PAD=d_pad,
         PAGE=page,
         BLOCK_Q=block_q,
+        DECODE=decode,
         BLOCK_M=block_m,
         BLOCK_N=_KV_TILE,
         NUM_SPLITS=splits,
