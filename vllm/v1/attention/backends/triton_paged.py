@@ -27,9 +27,8 @@ program whose split holds a request's last position normalizes and
 rotates that token's key, stores the key and value in the cache and adds
 them to its softmax itself (the cache slot is not read). That is the
 work of ``qk_norm_rope_``'s launch, which the step then skips. Every key
-such a kernel reads from the cache is then an earlier step's: with split
-KV (a few tiles per program) the first tile loads before the PDL wait,
-while the q/k/v GEMM finishes.
+such a kernel reads from the cache is then an earlier step's: the first
+tile loads before the PDL wait, while the q/k/v GEMM finishes.
 """
 
 from __future__ import annotations
@@ -173,10 +172,6 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (as the oracle), not tf32
     NEW_KV: tl.constexpr,  # a decode batch's raw q/k/v (BLOCK_Q == 1)
-    # NEW_KV over split KV: the first tile loaded before the PDL wait (a few
-    # tiles per program; with one split the registers it holds cost more
-    # resident programs than it saves)
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -201,7 +196,7 @@ def _paged_attention_kernel(
     active = q_block * BLOCK_Q < q_len
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    if PREFETCH:
+    if NEW_KV:
         # Every key read from the cache is an earlier step's: the first
         # tile streams while the previous kernel finishes.
         k_first, v_first = _load_kv_tile(
@@ -240,7 +235,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     first = tile_lo
-    if PREFETCH:  # (an empty split's first tile is past the causal limit)
+    if NEW_KV:  # (an empty split's first tile is past the causal limit)
         m_i, l_i, acc = _attend_tile(
             q, k_first, v_first, tile_lo, last_cached, m_i, l_i, acc, qk_scale,
             BLOCK_N, PRECISION,
@@ -509,7 +504,6 @@ def triton_paged_attention(
         NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEW_KV=new_kv is not None,
-        PREFETCH=new_kv is not None and splits > 1,
         PDL=launch_pdl,
         launch_pdl=launch_pdl,
     )
