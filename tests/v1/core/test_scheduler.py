@@ -108,7 +108,14 @@ def test_a_joining_request_starts_after_its_cached_prefix(micro_batched):
     scheduler.add_request(first := request("a", 10))
     scheduler.add_request(twin := request("twin", 10))
     twin_start = 0 if micro_batched else 8
-    assert step(scheduler) == [("a", 0, 10), ("twin", twin_start, 10)]
+    chunks = scheduler.schedule()
+    assert [c.reads_step_kv for c in chunks] == [False, not micro_batched]
+    for c in chunks:
+        c.request.resolve_token(7, 0.0, {})
+    scheduler.finish_step(chunks)
+    assert [(c.request.request_id, c.start, c.end) for c in chunks] == [
+        ("a", 0, 10), ("twin", twin_start, 10)
+    ]  # fmt: skip
     scheduler.add_request(later := request("b", 10))
     assert step(scheduler) == [("a", 10, 11), ("twin", 10, 11), ("b", 8, 10)]
     assert (first.num_cached_tokens, later.num_cached_tokens) == (0, 8)
@@ -116,6 +123,34 @@ def test_a_joining_request_starts_after_its_cached_prefix(micro_batched):
     assert pool.block_table("b")[:2] == pool.block_table("a")[:2]
     assert scheduler.prefix_cache_queries == 30
     assert scheduler.prefix_cache_hits == 8 + twin_start
+
+
+def test_a_chunk_says_when_it_reads_blocks_its_step_computes():
+    """A decode token completing a block that a request joining in the same
+    step takes as its prefix: the joiner's chunk says so (decode attention
+    stores the step's keys itself, after other programs may read them)."""
+    pool = BlockPool(16, 4, enable_caching=True)
+    scheduler = Scheduler(SchedulerConfig(4, 64, 64), pool)
+    scheduler.add_request(first := request("a", 3))
+    assert step(scheduler) == [("a", 0, 3)]  # a holds [0, 1, 2] + token 7
+    scheduler.add_request(Request("b", [0, 1, 2, 7, 9], SamplingParams()))
+    chunks = scheduler.schedule()
+    assert [(c.request.request_id, c.start, c.end) for c in chunks] == [
+        ("a", 3, 4),  # completes block 0
+        ("b", 4, 5),  # reads it
+    ]
+    assert [c.reads_step_kv for c in chunks] == [False, True]
+    assert pool.block_table("b")[0] == pool.block_table("a")[0]
+    for c in chunks:
+        c.request.resolve_token(7, 0.0, {})
+    scheduler.finish_step(chunks)
+    # the next step reads that block as an earlier step's
+    scheduler.add_request(Request("c", [0, 1, 2, 7, 5], SamplingParams()))
+    chunks = scheduler.schedule()
+    assert [(c.request.request_id, c.reads_step_kv) for c in chunks] == [
+        ("a", False), ("b", False), ("c", False)
+    ]  # fmt: skip
+    assert first.num_computed_tokens == 5
 
 
 def test_a_preempted_request_resumes_from_what_is_left_of_its_blocks():

@@ -226,6 +226,45 @@ def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypat
     assert outputs(got) == reference
 
 
+def test_a_step_reading_keys_it_stores_leaves_decode_attention(
+    engine_factory, monkeypatch
+):
+    """Request b joins while a's decode token completes the block b takes
+    as its prefix: one-token chunks both, but the step stores its keys
+    before attention (a bound of 2), so b never reads that block's last key
+    from a slot a's attention program has not written yet."""
+
+    def generate(engine, attended=None):
+        a = Request("a", SHARED[:15], SamplingParams(temperature=0, max_tokens=3))
+        engine.add_request(a)
+        engine.step()  # a's prompt: its first token is position 15
+        b = Request("b", [*a.all_token_ids, 11], SamplingParams(temperature=0))
+        engine.add_request(b)
+        if attended is not None:
+            attended.clear()
+        engine.step()  # a stores position 15 (block 0's last); b reads it
+        step = list(attended or [])
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert b.num_cached_tokens == 16
+        return (a.output_token_ids, b.output_token_ids), step
+
+    reference, _ = generate(engine_factory(max_num_batched_tokens=32))
+    attended: list[tuple[int, bool]] = []
+    real = attention.triton_paged_attention
+
+    def attend(*args):
+        attended.append((args[6], args[-1] is not None))  # max_query_len, fused
+        return real(*args)
+
+    for module in (qwen3_moe, attention):
+        monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
+    monkeypatch.setattr(attention, "triton_paged_attention", attend)
+    got, step = generate(engine_factory(max_num_batched_tokens=32), attended)
+    assert step and all(call == (2, False) for call in step)
+    assert got == reference
+
+
 def test_after_the_lock_nothing_grows(engine_factory):
     engine = engine_factory(max_num_batched_tokens=48)
     manager = current_workspace_manager()

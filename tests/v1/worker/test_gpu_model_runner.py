@@ -16,7 +16,7 @@ from vllm.v1.core.scheduler import ScheduledChunk
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner, query_bound
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
     init_workspace_manager,
@@ -58,6 +58,19 @@ def _requests(engine: EngineCore, n: int, max_tokens: int) -> list[Request]:
     for request in requests:
         engine.add_request(request)
     return requests
+
+
+def test_a_step_reading_its_own_keys_is_not_a_decode_batch():
+    """Decode attention (max_query_len 1) stores the step's keys inside its
+    own launch: a chunk reading a block the step completes keeps the step
+    on the kernels that store first (a bound of 2), whatever its length."""
+    one = Request("a", [1, 2, 3], SamplingParams())
+    decode = [ScheduledChunk(one, 2, 3, True), ScheduledChunk(one, 5, 6, True)]
+    assert query_bound(decode) == 1
+    reads = dataclasses.replace(decode[1], reads_step_kv=True)
+    assert query_bound([decode[0], reads]) == 2
+    longer = ScheduledChunk(one, 0, 3, True, reads_step_kv=True)
+    assert query_bound([longer]) == 3
 
 
 def test_step_inputs_match_the_pool(checkpoint):

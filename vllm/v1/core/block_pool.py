@@ -147,25 +147,29 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """Register the request's full blocks among its first ``num_tokens``
         tokens (computed, or scheduled to be, before any later step reads
-        them) whose tokens are known. A block whose prefix is already cached
-        in another block stays unregistered."""
+        them) whose tokens are known; returns the blocks registered now. A
+        block whose prefix is already cached in another block stays
+        unregistered."""
         if not self.enable_caching:
-            return
+            return []
         request_id = request.request_id
         full = min(num_tokens, request.num_known_tokens) // self.block_size
         start = self._num_registered.get(request_id, 0)
         if full <= start:  # (a decode step, but one in block_size)
-            return
+            return []
         table, hashes = self._tables[request_id], self._block_hashes(request, full)
+        registered = []
         for i in range(start, full):
             block, block_hash = table[i], hashes[i]
             if self._block_hash[block] is None and block_hash not in self._cached:
                 self._cached[block_hash] = block
                 self._block_hash[block] = block_hash
+                registered.append(block)
         self._num_registered[request_id] = full
+        return registered
 
     # -- cache slots ---------------------------------------------------------
 

@@ -13,9 +13,12 @@ With prefix caching, a request joining takes its prompt's cached blocks
 and starts computing after them (a preempted one too: its own blocks may
 still be cached), also blocks that another request computes in the same
 step: every layer stores the whole batch's keys and values before its
-attention reads any. A step split into micro-batches (dual-batch overlap)
-runs them on two streams, so there the blocks a step computes are
-registered once the whole step is scheduled.
+attention reads any. Its chunk says so (``reads_step_kv``): decode
+attention stores the keys it computes itself, while other programs of the
+same launch may read, so the runner keeps such a step off that path. A
+step split into micro-batches (dual-batch overlap) runs them on two
+streams, so there the blocks a step computes are registered once the
+whole step is scheduled.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class ScheduledChunk:
     start: int
     end: int
     samples: bool
+    # its cached prefix holds blocks that this step computes
+    reads_step_kv: bool = False
 
 
 class Scheduler:
@@ -59,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._queued: dict[str, Request] = {}  # waiting or running, by id
+        self._step_blocks: set[int] = set()  # registered by the step scheduled
         # Prompt tokens of new requests that the prefix cache was asked for,
         # and those it held (vLLM's hit-rate counters leave out resumed ones).
         self.prefix_cache_queries = self.prefix_cache_hits = 0
@@ -107,6 +113,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        self._step_blocks.clear()
         preempted: set[str] = set()  # this step, by an older request
         for request in list(self.running):
             if (
@@ -149,22 +156,25 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunks.append(self._scheduled(request, start, end))
+            reads = not self._step_blocks.isdisjoint(cached)
+            chunks.append(self._scheduled(request, start, end, reads))
             budget -= end - start
         if self.config.micro_batched:
             for chunk in chunks:
                 self.pool.cache_blocks(chunk.request, chunk.end)
         return chunks
 
-    def _scheduled(self, request: Request, start: int, end: int) -> ScheduledChunk:
+    def _scheduled(
+        self, request: Request, start: int, end: int, reads_step_kv: bool = False
+    ) -> ScheduledChunk:
         """The chunk, counted as computed (and its sample as pending) from
         now: the next schedule may come before the step's results do."""
         samples = end == request.num_tokens
         request.num_computed_tokens = end
         request.num_pending_tokens += samples
         if not self.config.micro_batched:
-            self.pool.cache_blocks(request, end)
-        return ScheduledChunk(request, start, end, samples)
+            self._step_blocks.update(self.pool.cache_blocks(request, end))
+        return ScheduledChunk(request, start, end, samples, reads_step_kv)
 
     def finish_step(self, chunks: list[ScheduledChunk]) -> list[Request]:
         """After ``chunks``' sampled tokens are resolved: retire finished

@@ -95,6 +95,15 @@ class _StepGraph:
     output: torch.Tensor
 
 
+def query_bound(chunks: list[ScheduledChunk]) -> int:
+    """The step's ``max_query_len``: its longest chunk, and at least 2 when
+    a chunk reads keys that the step itself stores (``reads_step_kv``):
+    decode batches (bound 1) store theirs inside attention, where other
+    programs of the launch may read first."""
+    longest = max(c.end - c.start for c in chunks)
+    return max(longest, 2) if any(c.reads_step_kv for c in chunks) else longest
+
+
 class GPUModelRunner:
     def __init__(
         self,
@@ -266,7 +275,7 @@ class GPUModelRunner:
         ends = self._sampling_rows(chunks)
         if self.ubatch_streams:
             return self._execute_ubatches(chunks, ends)
-        plan = self._plan(num_tokens, decode=num_tokens == num_seqs)
+        plan = self._plan(num_tokens, decode=query_bound(chunks) == 1)
         if plan.size is not None and plan.decode:
             if plan.size > num_seqs:
                 self._fill_decode_padding(num_seqs, plan.size)
@@ -319,9 +328,7 @@ class GPUModelRunner:
         num_tokens: int,
         dp_metadata: DPMetadata | None,
     ) -> torch.Tensor:
-        meta = self._metadata(
-            len(chunks), num_tokens, max(c.end - c.start for c in chunks)
-        )
+        meta = self._metadata(len(chunks), num_tokens, query_bound(chunks))
         with set_forward_context(meta, dp_metadata):
             return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 

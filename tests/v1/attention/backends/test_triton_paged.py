@@ -312,6 +312,17 @@ def test_no_tokens_and_bad_metadata(device):
             3,
             1.0,
         )
+    with pytest.raises(ValueError, match="max_query_len: 1 bounds 1 requests"):
+        triton_paged_attention(
+            q,
+            cache[0],
+            cache[1],
+            meta.block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            1,
+            1.0,
+        )
     with pytest.raises(ValueError, match="query_start_loc/block_table"):
         triton_paged_attention(
             q,

@@ -426,6 +426,11 @@ def triton_paged_attention(
             f"q/max_query_len: expected a contiguous head_size and >= 1, got "
             f"{q.stride()} and {max_query_len}"
         )
+    if max_query_len == 1 and tokens > num_seqs:
+        raise ValueError(
+            f"max_query_len: 1 bounds {num_seqs} requests to {num_seqs} tokens, "
+            f"got {tokens}"
+        )
     if new_kv is not None:
         _check_new_kv(new_kv, q, kv_heads, max_query_len)
     # A step with prefill may be a CUDA graph padded past its last request:
