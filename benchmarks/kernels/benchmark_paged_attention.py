@@ -106,10 +106,7 @@ def _from_qkv(kv, table, seq_lens, starts, context):
     new_kv = DecodeKV(k, v, slots, norm_rope)
 
     def apart(_: int) -> None:
-        qk_norm_rope_(
-            q, k, weight, weight, 1e-6, rope.cos_sin, positions,
-            kv_cache=kv, v=v, slot_mapping=slots,
-        )  # fmt: skip
+        qk_norm_rope_(q, k, norm_rope, kv_cache=kv, v=v, slot_mapping=slots)
         triton_paged_attention(q, kv[0], kv[1], table, seq_lens, starts, 1, 0.08)
 
     def fused(_: int) -> None:

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         meta = current_attn_metadata()
         if meta is None:
             if norm_rope is not None:
-                _qk_norm_rope_(q, k, norm_rope)
+                qk_norm_rope_(q, k, norm_rope)
             return attend(q, k, v, self.scale, 0)
         cache = self.kv_cache
         if cache is None:
@@ -68,7 +68,9 @@ class Attention(nn.Module):
         elif self.fuses_norm_rope(meta):
             new_kv = DecodeKV(k, v, meta.slot_mapping, norm_rope)
         else:  # the norms, rotations and cache store in one kernel
-            _qk_norm_rope_(q, k, norm_rope, cache, v, meta.slot_mapping)
+            qk_norm_rope_(
+                q, k, norm_rope, kv_cache=cache, v=v, slot_mapping=meta.slot_mapping
+            )
         if new_kv is None and not runs_gpu_kernels(q):
             return paged_attention(q, cache, meta, self.scale)
         return triton_paged_attention(
@@ -88,28 +90,6 @@ class Attention(nn.Module):
         """Whether the attention kernel applies ``norm_rope`` (and stores the
         keys and values) itself: in decode batches, saving a launch."""
         return meta.max_query_len == 1
-
-
-def _qk_norm_rope_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    norm_rope: QKNormRope,
-    kv_cache: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-) -> None:
-    qk_norm_rope_(
-        q,
-        k,
-        norm_rope.q_weight,
-        norm_rope.k_weight,
-        norm_rope.eps,
-        norm_rope.cos_sin,
-        norm_rope.positions,
-        kv_cache=kv_cache,
-        v=v,
-        slot_mapping=slot_mapping,
-    )
 
 
 def bind_kv_cache(

@@ -6,7 +6,7 @@ paged-attention oracle)."""
 import pytest
 import torch
 
-from vllm.model_executor.kernels.common.qk_norm_rope import qk_norm_rope_
+from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.v1.attention.backends.torch_paged import write_kv_cache
@@ -43,7 +43,8 @@ def test_matches_norm_then_rope(device, dtype, tokens, heads, kv_heads):
     positions = torch.randint(0, 4096, (tokens,), device=device)
     ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
     untouched = qkv[:, heads + kv_heads :].clone()
-    qk_norm_rope_(q, k, q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    qk_norm_rope_(q, k, norm_rope)
     torch.testing.assert_close(q, ref_q, atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(k, ref_k, atol=_tol(dtype), rtol=_tol(dtype))
     assert torch.equal(qkv[:, heads + kv_heads :], untouched)
@@ -65,10 +66,8 @@ def test_stores_keys_and_values_at_their_slots(device, dtype):
     ref_cache = cache.clone()
     ref_q, ref_k = rope(positions, q_norm(q), k_norm(k))
     write_kv_cache(ref_cache, ref_k, v, slots)
-    qk_norm_rope_(
-        q, k, q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions,
-        kv_cache=cache, v=v, slot_mapping=slots,
-    )  # fmt: skip
+    norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    qk_norm_rope_(q, k, norm_rope, kv_cache=cache, v=v, slot_mapping=slots)
     torch.testing.assert_close(cache, ref_cache, atol=_tol(dtype), rtol=_tol(dtype))
     flat = cache.view(2, -1, kv_heads, HEAD_SIZE)
     assert torch.equal(flat[1, slots], v)  # values copied, not recomputed
@@ -84,7 +83,8 @@ def test_bad_arguments_are_named(device):
     rope = RotaryEmbedding(16, 1e4, 64, device)
     q, k = torch.randn(3, 4, 16, device=device), torch.randn(3, 2, 16, device=device)
     weight, positions = torch.ones(16, device=device), torch.arange(3, device=device)
-    args = (weight, weight, 1e-6, rope.cos_sin, positions)
+    fields = (weight, weight, 1e-6, rope.cos_sin, positions)
+    args = (QKNormRope(*fields),)
     with pytest.raises(ValueError, match="q: expected"):
         qk_norm_rope_(torch.randn(3, 2, 12, device=device), k, *args)
     with pytest.raises(ValueError, match="q: expected"):
@@ -92,13 +92,15 @@ def test_bad_arguments_are_named(device):
     with pytest.raises(ValueError, match="k: expected"):
         qk_norm_rope_(q, torch.randn(2, 2, 16, device=device), *args)
     with pytest.raises(ValueError, match="cos_sin: expected"):
-        qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin.double(), positions)
+        qk_norm_rope_(
+            q, k, QKNormRope(weight, weight, 1e-6, rope.cos_sin.double(), positions)
+        )
     with pytest.raises(ValueError, match="positions: expected"):
-        qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin, positions[:2])
+        qk_norm_rope_(q, k, QKNormRope(*fields[:4], positions[:2]))
     with pytest.raises(ValueError, match="positions: expected"):
-        qk_norm_rope_(q, k, weight, weight, 1e-6, rope.cos_sin, positions.int())
+        qk_norm_rope_(q, k, QKNormRope(*fields[:4], positions.int()))
     with pytest.raises(ValueError, match="q_weight/k_weight"):
-        qk_norm_rope_(q, k, weight, weight[:8], 1e-6, rope.cos_sin, positions)
+        qk_norm_rope_(q, k, QKNormRope(weight, weight[:8], *fields[2:]))
     with pytest.raises(ValueError, match="k: expected"):
         qk_norm_rope_(q, k.double(), *args)
     cache = torch.zeros(2, 1, 4, 2, 16, device=device)

@@ -173,15 +173,14 @@ def test_decode_new_kv_equals_the_separate_kernels(device, lens):
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, device=device).to(dtype)
     (q_norm, k_norm), rope = _norm_rope(d, device, dtype)
     positions = torch.tensor(lens, device=device) - 1
-    weights = (q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
+    norm_rope = QKNormRope(q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin, positions)
     runs = []
     for fused in (True, False):
         step_qkv, step_cache = qkv.clone(), cache.clone()
         q, k, v = step_qkv.split([heads, kv_heads, kv_heads], dim=1)
-        new_kv = DecodeKV(k, v, meta.slot_mapping, QKNormRope(*weights))
+        new_kv = DecodeKV(k, v, meta.slot_mapping, norm_rope)
         if not fused:
-            qk_norm_rope_(q, k, *weights, kv_cache=step_cache, v=v,
-                          slot_mapping=meta.slot_mapping)  # fmt: skip
+            qk_norm_rope_(q, k, norm_rope, step_cache, v, meta.slot_mapping)
         out = triton_paged_attention(
             q, step_cache[0], step_cache[1], meta.block_table, meta.seq_lens,
             meta.query_start_loc, 1, d**-0.5, new_kv if fused else None,

@@ -164,18 +164,13 @@ def check_heads(
         )
 
 
-def check_qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
-) -> None:
+def check_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, norm_rope: QKNormRope) -> None:
     """Raise naming the argument unless ``q`` [T, heads, head_size] (a power
     of two) and ``k`` [T, kv_heads, head_size] have heads at unit stride, the
     weights are [head_size], ``cos_sin`` is contiguous fp32 [2, positions,
     head_size] and ``positions`` contiguous int64 [T]."""
+    q_weight, k_weight = norm_rope.q_weight, norm_rope.k_weight
+    cos_sin, positions = norm_rope.cos_sin, norm_rope.positions
     if q.dim() != 3 or q.shape[2] % 2 or q.shape[2] & (q.shape[2] - 1):
         raise ValueError(
             f"q: expected [T, heads, head_size] with head_size a power of two, "
@@ -204,25 +199,20 @@ def check_qk_norm_rope(
 def qk_norm_rope_(
     q: torch.Tensor,
     k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
+    norm_rope: QKNormRope,
     kv_cache: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
 ) -> None:
     """Normalize and rotate every head of ``q`` [T, heads, head_size] and
     ``k`` [T, kv_heads, head_size] in place (heads at unit stride) by its
-    token's position. ``cos_sin`` [2, max_position, head_size] fp32 holds
-    each position's cos and sin. With ``kv_cache`` [2, blocks, block_size,
-    kv_heads, head_size], the rotated keys and ``v`` are also stored at the
-    tokens' cache slots ``slot_mapping`` [T] (as ``write_kv_cache``; the
-    slots are the caller's to keep in range: they are not checked, which
-    would cost a device sync). ``eps`` is both norms' (Qwen3 gives them
-    the config's one)."""
-    check_qk_norm_rope(q, k, q_weight, k_weight, cos_sin, positions)
+    token's position, as ``norm_rope`` says. With ``kv_cache`` [2, blocks,
+    block_size, kv_heads, head_size], the rotated keys and ``v`` are also
+    stored at the tokens' cache slots ``slot_mapping`` [T] (as
+    ``write_kv_cache``; the slots are the caller's to keep in range: they
+    are not checked, which would cost a device sync)."""
+    check_qk_norm_rope(q, k, norm_rope)
+    positions, cos_sin = norm_rope.positions, norm_rope.cos_sin
     tokens, q_heads, head_size = q.shape
     kv_heads = k.shape[1]
     if kv_cache is None:  # the kernel reads none of these without a cache
@@ -244,15 +234,15 @@ def qk_norm_rope_(
         q,
         k,
         values,
-        q_weight,
-        k_weight,
+        norm_rope.q_weight,
+        norm_rope.k_weight,
         cos_sin,
         positions,
         cache,
         slots,
         q_heads,
         kv_heads,
-        eps,
+        norm_rope.eps,
         q.stride(0),
         q.stride(1),
         k.stride(0),

@@ -351,15 +351,7 @@ def _check_new_kv(
             f"new_kv: expected a decode batch (max_query_len 1), got "
             f"max_query_len={max_query_len}"
         )
-    norm_rope = new_kv.norm_rope
-    check_qk_norm_rope(
-        q,
-        new_kv.k,
-        norm_rope.q_weight,
-        norm_rope.k_weight,
-        norm_rope.cos_sin,
-        norm_rope.positions,
-    )
+    check_qk_norm_rope(q, new_kv.k, new_kv.norm_rope)
     check_heads("k", new_kv.k, q, kv_heads)
     check_heads("v", new_kv.v, q, kv_heads)
     slots = new_kv.slot_mapping
