@@ -465,7 +465,7 @@ def moe_decode_reference(
     )
     gate_up = deinterleave_gate_up(gate_up)
     ids = topk_ids.long()
-    valid = (ids >= 0) & (ids < (len(w13) if expert_map is None else len(expert_map)))
+    valid = (ids >= 0) & (ids < _num_ids(w13, expert_map))
     if expert_map is not None:
         ids = torch.where(
             valid, expert_map.long()[ids.clamp(0, len(expert_map) - 1)], -1
