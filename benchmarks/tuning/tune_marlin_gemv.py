@@ -1,12 +1,13 @@
-"""Sweep the W4A16 decode kernel's configs (:mod:`vllm.model_executor.kernels.
-marlin.gemv`) against the tensor-core kernel and a bf16 matmul.
+"""Sweep the W4A16 decode kernels' configs (:mod:`vllm.model_executor.kernels.
+marlin.gemv` on the CUDA cores, :mod:`~.marlin.gemv_mma` on the tensor cores)
+against the tensor-core GEMM and a bf16 matmul.
 
 CUDA-graph replay, all candidates of a point timed in turn in each repeat;
 each call reads its own copy of the weights (copies rotate so that more than
 twice the L2 is streamed), as a decode step reads weights L2 has not kept.
 Every config is checked against the dequantized reference first.
 
-    PYTHONPATH=. python benchmarks/tuning/tune_marlin_gemv.py --ms 1 2 3 4
+    PYTHONPATH=. python benchmarks/tuning/tune_marlin_gemv.py --ms 1 2 3 4 8
 """
 
 import argparse
@@ -26,7 +27,8 @@ from vllm.model_executor.kernels.marlin import (
     repack_weights,
 )
 from vllm.model_executor.kernels.marlin.config import MarlinConfig, default_config
-from vllm.model_executor.kernels.marlin.gemv import GemvConfig
+from vllm.model_executor.kernels.marlin.gemv import GEMV_MAX_M, GemvConfig
+from vllm.model_executor.kernels.marlin.gemv_mma import MMA_GEMV_MAX_M, MmaGemvConfig
 
 L2_BYTES = 50 * 2**20
 GROUP = 128
@@ -58,6 +60,14 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--block-k", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--mma",
+        nargs="+",
+        default=["1x1x1", "1x1x2", "1x1x4", "1x1x8", "2x1x2", "2x1x4", "2x1x8",
+                 "2x2x2", "2x2x4", "2x2x8", "4x2x2", "4x2x4", "4x4x1", "4x4x2",
+                 "4x4x4"],
+        help="MmaGemvConfig row_tiles x tiles_per_warp x k_split",
+    )  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(dev)
@@ -77,13 +87,17 @@ def main() -> None:
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = a.float() @ w_deq.float().t()
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            cfgs: dict[str, MarlinConfig | GemvConfig] = {
+            cfgs: dict[str, MarlinConfig | GemvConfig | MmaGemvConfig] = {
                 f"gemv n{bn} k{bk} w{nw}": GemvConfig(bn, bk, nw)
                 for bn, bk, nw in itertools.product(
                     args.block_n, args.block_k, args.warps
                 )
-                if bk // 8 >= 32 * nw and bk <= k
+                if bk // 8 >= 32 * nw and bk <= k and m <= GEMV_MAX_M
             }
+            if m <= MMA_GEMV_MAX_M:
+                for spec in args.mma:
+                    rt, tpw, ks = (int(v) for v in spec.split("x"))
+                    cfgs[f"mma r{rt} t{tpw} k{ks}"] = MmaGemvConfig(rt, tpw, ks)
             cfgs["tensor-core"] = default_config(m, n, k, dev)
             steps = {}
             for name, cfg in cfgs.items():
@@ -102,9 +116,13 @@ def main() -> None:
             times = time_graphs_us(steps, iters=24, repeats=5)
             ranked = sorted(times.items(), key=lambda kv: kv[1])
             print(f"\n{shape} M={m} (weights {w4_bytes / 1e6:.1f} MB)")
-            for name, us in ranked[:6] + [
-                kv for kv in ranked[6:] if kv[0] in ("tensor-core", "bf16 matmul")
-            ]:
+            best: dict[
+                str, tuple[str, float]
+            ] = {}  # the fastest of each kernel, and the overall top 6
+            for name, us in ranked:
+                best.setdefault(name.split()[0], (name, us))
+            shown = ranked[:6] + [kv for kv in best.values() if kv not in ranked[:6]]
+            for name, us in shown:
                 frac = w4_bytes / (us * 1e-6) / 1e9 / copy_gbps
                 print(f"  {name:<22} {us:7.1f} us  {100 * frac:4.0f}% of copy")
             record.append({"shape": shape, "m": m, "times_us": times})

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,11 +233,11 @@ def compile_for_sm90(
         print(COMPILED, json.dumps([wgmma, compiled.metadata.shared]))
 
 
-def compiled_in_own_process(module: str) -> list[tuple[bool, int]]:
-    """(PTX holds wgmma, shared memory bytes) per build of ``module``'s
-    ``compile_kernels()``, run in a process of its own: TRITON_INTERPRET,
-    which the CPU tests run under, patches Triton's language for the kernels
-    it runs."""
+def compiled_in_own_process(module: str) -> list[tuple[Any, ...]]:
+    """What ``module``'s ``compile_kernels()`` prints per build (the grouped
+    GEMMs: PTX holds wgmma, shared memory bytes), run in a process of its
+    own: TRITON_INTERPRET, which the CPU tests run under, patches Triton's
+    language for the kernels it runs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).parents[4]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])

@@ -30,6 +30,7 @@ from vllm.model_executor.kernels.marlin.gemv import (
     gemv_applies,
     launch_gemv,
 )
+from vllm.model_executor.kernels.marlin.gemv_mma import MmaGemvConfig, launch_mma_gemv
 from vllm.model_executor.kernels.marlin.kernels import (
     _marlin_gemm_grouped_kernel,
     _marlin_gemm_kernel,
@@ -133,7 +134,7 @@ def marlin_gemm(
     size_n: int,
     size_k: int,
     out: torch.Tensor | None = None,
-    config: MarlinConfig | GemvConfig | None = None,
+    config: MarlinConfig | GemvConfig | MmaGemvConfig | None = None,
 ) -> torch.Tensor:
     """``a[M, K] @ dequant(b_packed)^T -> [M, N]`` in ``a``'s dtype.
 
@@ -142,8 +143,10 @@ def marlin_gemm(
     ``a``'s dtype; ``workspace``: int32 lock counters, all zero, at least
     :func:`marlin_workspace_numel` long. No host sync, no allocation except
     ``out`` when not given. Where :func:`gemv_applies` (or with a
-    :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs, which
-    leaves the workspace alone.
+    :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs, with
+    an :class:`MmaGemvConfig` the tensor-core one of :mod:`.gemv_mma` (up
+    to 8 rows; not a default until measured); both leave the workspace
+    alone.
     """
     check_marlin_args(
         a,
@@ -157,6 +160,9 @@ def marlin_gemm(
     out = _output(a, size_n, out)
     m = a.shape[0]
     if m == 0:
+        return out
+    if isinstance(config, MmaGemvConfig):
+        launch_mma_gemv(a, b_packed, scales, out, group_size, config)
         return out
     if isinstance(config, GemvConfig) or (config is None and gemv_applies(m)):
         if not isinstance(config, GemvConfig):

@@ -1,0 +1,244 @@
+"""The W4A16 decode kernel on the tensor cores (``marlin/gemv_mma.py``)
+against the exact product.
+
+The kernel multiplies exact ``MAGIC + q`` weights and starts each K step's
+sum from ``-(MAGIC + 8)`` times the activations' sum, so beyond the output's
+16-bit rounding its error is fp32 accumulation over terms of up to ``(MAGIC
++ 8) * |x| * scale``: the bound below. A fragment or K-order mistake puts
+errors of the output's own size everywhere. The kernel is Gluon with inline
+PTX: it runs on NVIDIA GPUs only (CPU runs check its build for sm_90 and its
+argument errors).
+"""
+
+import functools
+import json
+
+import pytest
+import torch
+
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    compiled_in_own_process,
+)
+from tests.model_executor.kernels.marlin.test_gemv import (
+    _check,
+    _exact,
+    _problem,
+    _workspace,
+)
+from vllm.model_executor.kernels.marlin import marlin_gemm, unpack_weights
+from vllm.model_executor.kernels.marlin.gemv_mma import (
+    MMA_GEMV_MAX_M,
+    MmaGemvConfig,
+    _mma_gemv_kernel,
+    default_mma_gemv_config,
+)
+
+MODULE = "tests.model_executor.kernels.marlin.test_gemv_mma"
+MAGIC_PLUS_8 = {torch.bfloat16: 136.0, torch.float16: 1032.0}
+
+
+def _bound(a, scales, group_size, bound):
+    """:func:`_exact`'s ``bound`` plus the offset's fp32 accumulation: 16
+    roundings a step (8 MMAs, 8 for the offset) of sums up to (MAGIC + 8)
+    |x| |scale|."""
+    g = a.shape[1] if group_size == -1 else group_size
+    s = scales.float().abs().t().repeat_interleave(g, dim=1)  # [N, K]
+    magic_terms = MAGIC_PLUS_8[a.dtype] * (a.float().abs() @ s.t())
+    return bound + 16 * 2.0**-24 * magic_terms
+
+
+def _cuda(device):
+    if device.type != "cuda":
+        pytest.skip("Gluon with inline PTX: NVIDIA GPUs only")
+
+
+def compile_kernels() -> None:
+    """bf16 / fp16, group / channel scales, three configs (run in a process
+    of its own by the test below): whether the PTX holds the MMAs, and the
+    order of the first weight load, the PDL wait and the first activation
+    load."""
+    # Triton internals: imported here, so that a move fails this test only.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    args = ["a_ptr", "b_ptr", "s_ptr", "c_ptr", "M", "N", "K"]
+    args += ["stride_am", "stride_bn", "stride_sg", "stride_cm"]
+    for dtype in ("bf16", "fp16"):
+        for group_size in (128, -1):
+            for cfg in (MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 2, 4)):
+                ptr = f"*{dtype}"
+                types = [ptr, "*i32", ptr, ptr] + ["i32"] * 7
+                signature = dict(zip(args, types, strict=True))
+                consts = {
+                    "GROUP_SIZE": group_size,
+                    "ROW_TILES": cfg.row_tiles,
+                    "TILES_PER_WARP": cfg.tiles_per_warp,
+                    "K_SPLIT": cfg.k_split,
+                    "FP16": dtype == "fp16",
+                    "PDL": True,
+                }
+                signature |= dict.fromkeys(consts, "constexpr")
+                aligned = {
+                    (i,): [["tt.divisibility", 16]]
+                    for i, name in enumerate(args)
+                    if name.endswith("_ptr") or name in ("K", "stride_am", "stride_bn")
+                }
+                source = GluonASTSource(
+                    _mma_gemv_kernel, signature, constexprs=consts, attrs=aligned
+                )
+                ptx = triton.compile(
+                    source,
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": cfg.num_warps},
+                ).asm["ptx"]
+                order = [
+                    ptx.find(x)
+                    for x in ("ld.global.nc.v4", "griddepcontrol.wait", "ld.global.v4")
+                ]
+                ab = "bf16" if dtype == "bf16" else "f16"
+                mmas = ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}")
+                print(COMPILED, json.dumps([cfg.tiles_per_warp, mmas, order]))
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """Each build holds one K step's MMAs (8 per row tile of a warp, 8 for
+    the offset), loads its first weights before the PDL wait and its
+    activations only after it (the PDL contract, :mod:`~.common.pdl`)."""
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == 8
+    for tiles_per_warp, mmas, (weights, wait, activations) in builds:
+        assert mmas == 8 * tiles_per_warp + 8
+        assert 0 <= weights < wait < activations
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, MMA_GEMV_MAX_M])
+@pytest.mark.parametrize(
+    "config",
+    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 2, 4), MmaGemvConfig(4, 2, 2)],
+    ids=str,
+)
+@pytest.mark.parametrize(
+    "shape",
+    # (N, K, group): N not a multiple of 16 or of a program's rows; one K
+    # step (fewer steps than warps over K); steps not a multiple of the
+    # split; groups of 256 and 384 (several steps a group); per channel.
+    [(40, 384, 128), (8, 128, 128), (200, 1024, 128), (64, 512, 256),
+     (24, 768, 384), (24, 640, -1)],
+    ids=str,
+)  # fmt: skip
+def test_matches_exact_product(device, shape, config, m, dtype):
+    _cuda(device)
+    n, k, group_size = shape
+    a, packed, scales, exact, bound = _problem(m, n, k, group_size, dtype, device)
+    locks = _workspace(device)
+    locks[0] = 1000  # poisoned: the kernel must not read or clear it
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    res = marlin_gemm(
+        a, packed, scales, locks, group_size=group_size, size_n=n, size_k=k,
+        out=out, config=config,
+    )  # fmt: skip
+    assert res is out
+    _check(out, exact, _bound(a, scales, group_size, bound))
+    assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
+
+
+def test_rows_of_a_and_out_with_a_stride(device):
+    """A and out as views with row strides past K and N: only their own
+    columns are read and written."""
+    _cuda(device)
+    m, n, k = 3, 48, 384
+    a, packed, scales, exact, bound = _problem(m, n, k, 128, torch.bfloat16, device)
+    wide = torch.full((m, k + 128), float("inf"), dtype=a.dtype, device=device)
+    wide[:, :k] = a
+    out = torch.full((m, n + 8), 7.0, dtype=a.dtype, device=device)
+    marlin_gemm(
+        wide[:, :k], packed, scales, _workspace(device), group_size=128, size_n=n,
+        size_k=k, out=out[:, :n], config=MmaGemvConfig(2, 1, 2),
+    )  # fmt: skip
+    _check(out[:, :n], exact, _bound(a, scales, 128, bound))
+    assert bool((out[:, n:] == 7.0).all())
+
+
+def test_bad_arguments_raise(device):
+    n, k = 16, 256
+    a, packed, scales, _, _ = _problem(
+        MMA_GEMV_MAX_M + 1, n, k, 128, torch.float16, device
+    )
+    call = functools.partial(
+        marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(device),
+        group_size=128, size_n=n, size_k=k,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="a: at most 8 rows"):
+        call(a, config=MmaGemvConfig(1, 1, 1))
+    with pytest.raises(ValueError, match="config: k_split must be a power of two"):
+        call(a[:1], config=MmaGemvConfig(1, 1, 3))
+    with pytest.raises(ValueError, match="config: tiles_per_warp must divide"):
+        call(a[:1], config=MmaGemvConfig(2, 4, 1))
+    with pytest.raises(ValueError, match="config: tiles_per_warp must divide"):
+        call(a[:1], config=MmaGemvConfig(8, 1, 4))  # 32 warps
+    shifted = torch.zeros(1, k + 8, dtype=a.dtype, device=device)[:, 1 : k + 1]
+    with pytest.raises(ValueError, match="a: an MmaGemvConfig reads 16-byte"):
+        call(shifted, config=MmaGemvConfig(1, 1, 1))
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="config: an MmaGemvConfig runs compiled"):
+            call(a[:1], config=MmaGemvConfig(1, 1, 1))
+
+
+GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336), (5120, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [128, -1])
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_model_sizes(shape, m, group_size):
+    n, k = shape
+    dev = torch.device("cuda")
+    a, packed, scales, exact, bound = _problem(m, n, k, group_size, torch.bfloat16, dev)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    marlin_gemm(
+        a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
+        size_k=k, out=out, config=default_mma_gemv_config(),
+    )  # fmt: skip
+    _check(out, exact, _bound(a, scales, group_size, bound))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_inputs():
+    m, n, k = 4, 8192, 8192
+    dev = torch.device("cuda")
+    a, packed, scales, _, _ = _problem(m, n, k, 128, torch.bfloat16, dev)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    gemm = functools.partial(
+        marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(dev),
+        group_size=128, size_n=n, size_k=k, out=out, config=default_mma_gemv_config(),
+    )  # fmt: skip
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        gemm(a)  # compile outside capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemm(a)
+    for _ in range(2):
+        a.copy_(torch.randn_like(a.float()).to(a.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        exact, bound = _exact(a, packed, scales, 128)
+        _check(out, exact, _bound(a, scales, 128, bound))
+
+
+def test_bound_catches_a_wrong_k_order():
+    """The bound is tight enough to fail a kernel that pairs weights with
+    the wrong activations: the product with the K order of each word's
+    nibbles swapped falls outside it."""
+    a, packed, scales, exact, bound = _problem(2, 48, 256, 128, torch.bfloat16, "cpu")
+    swapped = unpack_weights(packed).reshape(48, -1, 2, 4).flip(-1).reshape(48, 256)
+    g = scales.float().t().repeat_interleave(128, dim=1)
+    wrong = a.float() @ ((swapped.float() - 8) * g).t()
+    limit = _bound(a, scales, 128, bound)
+    assert not bool(((wrong - exact).abs() <= limit).all())

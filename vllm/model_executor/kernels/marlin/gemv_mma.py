@@ -1,0 +1,396 @@
+"""The Marlin-style W4A16 GEMM at decode sizes on the tensor cores, with the
+weights dequantized in registers (Gluon, NVIDIA sm_80 and later): up to 8
+rows of A for the time of one.
+
+:mod:`.gemv` multiplies on the CUDA cores and is issue-bound: a weight costs
+at least a LOP3, an FSUB and an FFMA (4.2 instructions measured), so its
+loop cannot keep the loads in flight that the copy bandwidth needs
+(docs/marlin.md). Here a weight costs half a LOP3 and half a packed
+subtract: ``mma.sync.m16n8k16`` multiplies them, the A operand (16 weight
+rows x 16 K) straight from the registers the words were dequantized into.
+Each thread holds exactly its fragment's values, so nothing moves between
+threads or through shared memory:
+
+- lane ``(g, t) = (lane // 4, lane % 4)`` of a warp loads, per K step of
+  128, the 16-byte run of packed words ``4t .. 4t + 3`` of weight rows ``g``
+  and ``g + 8`` (K columns ``32t .. 32t + 31``; the four lanes of a row read
+  64 contiguous bytes);
+- a word's nibbles ``(i, i + 4)`` are columns ``(8c + 2i, 8c + 2i + 1)``
+  (:mod:`.packing`), so one LOP3 of the word shifted by ``4i`` gives them as
+  a 16-bit pair ``128 + q`` (bf16) or ``1024 + q`` (fp16) and one packed
+  subtract leaves ``q - 8`` exactly;
+- the K order inside an MMA is free as long as A and B agree: MMA ``(j,
+  h)`` of the step gives the fragment's slot pair ``2t`` the columns ``32t +
+  8j + 4h + (0, 1)`` and slot pair ``2t + 8`` the next two, so its B
+  fragment (A's row ``g``: the activations, n = 8 rows) is two consecutive
+  pairs of the same thread's 64-byte run of that row;
+- a step is one group of scales when the group size is a multiple of 128:
+  the step's MMAs sum into a fresh accumulator that is then scaled into the
+  total (the weights stay exact; the products sum in fp32).
+
+A program owns ``16 * ROW_TILES`` weight rows; its ``ROW_TILES x
+K_SPLIT`` warps each take 16 of them over every ``K_SPLIT``-th step and sum
+across warps at the end. The next step's words and activations load while
+the current step multiplies; the first step's words load before the PDL
+wait. Rows past N and steps past K repeat the last ones (not stored, or
+multiplied by zero activations). No split-K across programs: the lock
+workspace is not touched.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from vllm import envs
+from vllm.model_executor.kernels.common.device_info import capability
+from vllm.model_executor.kernels.common.pdl import pdl
+from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
+
+MMA_GEMV_MAX_M = 8  # the MMA's n: rows of A per launch
+
+
+@dataclass(frozen=True)
+class MmaGemvConfig:
+    """16-row weight tiles per program, of them per warp, and warps over
+    each tile's K steps."""
+
+    row_tiles: int
+    tiles_per_warp: int
+    k_split: int
+
+    @property
+    def num_warps(self) -> int:
+        return self.row_tiles // self.tiles_per_warp * self.k_split
+
+
+def default_mma_gemv_config() -> MmaGemvConfig:
+    """Not yet measured: 32 rows per program, each over 4 warps."""
+    return MmaGemvConfig(2, 2, 4)
+
+
+def check_mma_gemv_config(cfg: MmaGemvConfig) -> None:
+    """Errors naming ``config`` unless the kernel takes it."""
+    for name in ("row_tiles", "tiles_per_warp", "k_split"):
+        value = getattr(cfg, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"config: {name} must be a power of two: {cfg}")
+    if cfg.row_tiles % cfg.tiles_per_warp or cfg.num_warps > 16:
+        raise ValueError(
+            f"config: tiles_per_warp must divide row_tiles, in at most 16 warps: {cfg}"
+        )
+
+
+# One word -> its four pairs, nibbles (i, i + 4) in pair i, as 16-bit
+# ``MAGIC + q``: ORed into the low mantissa bits of MAGIC (128 in bf16, 1024
+# in fp16), a nibble q reads as MAGIC + q. The MMAs take these; each step's
+# accumulator starts from -(MAGIC + 8) times the activations' sum, so what
+# they add up is (q - 8) x with no per-weight subtract.
+def _dequant_asm(magic: int) -> str:
+    pattern = f"0x{magic:04x}{magic:04x}"
+    lines = [f"lop3.b32 $0, $4, 0x000f000f, {pattern}, 0xEA;"]
+    for i in range(1, 4):
+        lines.append(f"shr.u32 t, $4, {4 * i};")
+        lines.append(f"lop3.b32 ${i}, t, 0x000f000f, {pattern}, 0xEA;")
+    return "{ .reg .b32 t; " + " ".join(lines) + " }"
+
+
+_DEQUANT_BF16 = gl.constexpr(_dequant_asm(0x4300))
+_DEQUANT_FP16 = gl.constexpr(_dequant_asm(0x6400))
+# -(MAGIC + 8) as a 16-bit pair: bf16 -136, fp16 -1032.
+_OFFSET_BF16 = gl.constexpr(-0x3CF73CF8)  # 0xC308C308 as int32
+_OFFSET_FP16 = gl.constexpr(-0x1BF71BF8)  # 0xE408E408 as int32
+
+
+def _mma_asm(ab: str) -> str:
+    return (
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+
+
+_MMA_BF16 = gl.constexpr(_mma_asm("bf16"))
+_MMA_FP16 = gl.constexpr(_mma_asm("f16"))
+
+# 16 bytes per thread: weights through the non-coherent path, activations not.
+_LOAD_V4 = gl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+_LOAD_ACT = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
+_TILE_K = gl.constexpr(TILE_K)
+_STEP_WORDS = gl.constexpr(TILE_K // PACK)  # packed words per row and K step
+
+
+@gluon.jit
+def _load_words(ptrs):
+    """Four consecutive int32 per thread, one 16-byte load."""
+    return gl.inline_asm_elementwise(
+        _LOAD_V4, "=r,=r,=r,=r,l", [ptrs],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _load_act(ptrs):
+    """As :func:`_load_words`, but not pure: the activations are the previous
+    kernel's, read after the PDL wait only (a pure asm may move above it)."""
+    return gl.inline_asm_elementwise(
+        _LOAD_ACT, "=r,=r,=r,=r,l", [ptrs],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _dequant(word, FP16: gl.constexpr):
+    asm: gl.constexpr = _DEQUANT_FP16 if FP16 else _DEQUANT_BF16
+    return gl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r", [word],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FP16: gl.constexpr):
+    asm: gl.constexpr = _MMA_FP16 if FP16 else _MMA_BF16
+    return gl.inline_asm_elementwise(
+        asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+        dtype=(gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _word_mmas(lo, hi, b0, b1, b2, b3, c0, c1, c2, c3, FP16: gl.constexpr):
+    """The two MMAs of one word of rows ``g`` (``lo``) and ``g + 8``
+    (``hi``): pairs 0, 1 with activations ``b0, b1``, pairs 2, 3 with
+    ``b2, b3`` ([K_SPLIT, 32]: broadcast over a lane's row tiles, a register
+    copy)."""
+    b0 = b0[:, None, :]
+    b1 = b1[:, None, :]
+    b2 = b2[:, None, :]
+    b3 = b3[:, None, :]
+    l0, l1, l2, l3 = _dequant(lo, FP16)
+    h0, h1, h2, h3 = _dequant(hi, FP16)
+    c0, c1, c2, c3 = _mma(l0, h0, l1, h1, b0, b1, c0, c1, c2, c3, FP16)
+    return _mma(l2, h2, l3, h3, b2, b3, c0, c1, c2, c3, FP16)
+
+
+@gluon.jit
+def _offset(x, FP16: gl.constexpr):
+    """-(MAGIC + 8) times the sum of the step's activations, as an MMA
+    fragment of A rows 2t, 2t + 1 (the same for every weight row): an A
+    operand of constant pairs against each of the step's 8 B fragments."""
+    pair: gl.constexpr = _OFFSET_FP16 if FP16 else _OFFSET_BF16
+    a = gl.full(x[0].shape, pair, gl.int32, x[0].type.layout)
+    c = gl.zeros_like(a, dtype=gl.float32)
+    c0, c1, c2, c3 = _mma(a, a, a, a, x[0], x[1], c, c, c, c, FP16)
+    for i in gl.static_range(1, 8):
+        c0, c1, c2, c3 = _mma(a, a, a, a, x[2 * i], x[2 * i + 1], c0, c1, c2, c3, FP16)
+    return c0, c1
+
+
+@gluon.jit
+def _step(lo, hi, x, FP16: gl.constexpr):
+    """fp32 fragment (rows g, g + 8 x A rows 2t, 2t + 1) of one K step:
+    ``lo``/``hi`` the four words of rows g and g + 8, ``x`` the thread's 16
+    activation pairs."""
+    off0, off1 = _offset(x, FP16)
+    c0 = gl.zeros_like(lo[0].to(gl.float32, bitcast=True)) + off0[:, None, :]
+    c1 = gl.zeros_like(c0) + off1[:, None, :]
+    c2 = c0
+    c3 = c1
+    for j in gl.static_range(4):
+        b = x[4 * j : 4 * j + 4]
+        c0, c1, c2, c3 = _word_mmas(lo[j], hi[j], *b, c0, c1, c2, c3, FP16)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _load_x(x_rows, step):
+    """The thread's 64 bytes of its A row at K step ``step``: 16 pairs."""
+    p = x_rows + step * (_TILE_K // 2)
+    x0, x1, x2, x3 = _load_act(p)
+    x4, x5, x6, x7 = _load_act(p + 4)
+    x8, x9, x10, x11 = _load_act(p + 8)
+    x12, x13, x14, x15 = _load_act(p + 12)
+    return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+
+
+@gluon.jit
+def _mma_gemv_kernel(
+    a_ptr,  # [M, K] bf16 / fp16
+    b_ptr,  # [N, K // 8] int32, :mod:`.packing`
+    s_ptr,  # [K // GROUP_SIZE or 1, N]
+    c_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_sg,
+    stride_cm,
+    GROUP_SIZE: gl.constexpr,  # a multiple of 128, or -1 (per channel)
+    ROW_TILES: gl.constexpr,
+    TILES_PER_WARP: gl.constexpr,
+    K_SPLIT: gl.constexpr,
+    FP16: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    # [k slice, row tile, lane]: a lane holds its slot of TILES_PER_WARP
+    # tiles; the activations drop the tile dimension (one load per thread).
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, TILES_PER_WARP, 1],
+        [1, 1, 32],
+        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
+        [2, 1, 0],
+    )
+    x_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]
+    rt = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    rt = rt[None, :, None]
+    g = lane // 4
+    t = lane % 4
+
+    row_lo = gl.program_id(0) * (16 * ROW_TILES) + rt * 16 + g[:, None, :]
+    row_hi = gl.minimum(row_lo + 8, N - 1)  # rows past N repeat the last
+    row_lo = gl.minimum(row_lo, N - 1)
+    w_lo = b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4
+    w_hi = b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4
+    # Rows of A past M repeat the last: they only feed MMA columns not stored.
+    x_rows = (a_ptr + gl.minimum(g, M - 1) * stride_am).to(
+        gl.pointer_type(gl.int32), bitcast=True
+    )
+    x_rows = x_rows + t * 16
+
+    # Warp slice ks takes steps ks, ks + K_SPLIT, ...; a step past the last
+    # repeats the last one and is scaled by zero.
+    steps = K // _TILE_K
+    step = gl.minimum(ks + gl.zeros_like(lane), steps - 1)
+    lo = _load_words(w_lo + step[:, None, :] * _STEP_WORDS)
+    hi = _load_words(w_hi + step[:, None, :] * _STEP_WORDS)
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    x = _load_x(x_rows, step)
+
+    zero = gl.zeros([K_SPLIT, ROW_TILES, 32], gl.float32, layout)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    for i in range(0, gl.cdiv(steps, K_SPLIT)):
+        here = ks + i * K_SPLIT
+        nxt = gl.minimum(here + K_SPLIT + gl.zeros_like(lane), steps - 1)
+        lo_next = _load_words(w_lo + nxt[:, None, :] * _STEP_WORDS)
+        hi_next = _load_words(w_hi + nxt[:, None, :] * _STEP_WORDS)
+        x_next = _load_x(x_rows, nxt)
+        c0, c1, c2, c3 = _step(lo, hi, x, FP16)
+        valid = (here < steps)[:, None, :]
+        if GROUP_SIZE > 0:
+            group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
+            s_lo = gl.load(s_ptr + group * stride_sg + row_lo).to(gl.float32)
+            s_hi = gl.load(s_ptr + group * stride_sg + row_hi).to(gl.float32)
+        else:
+            s_lo = 1.0
+            s_hi = 1.0
+        s_lo = gl.where(valid, s_lo, 0.0)
+        s_hi = gl.where(valid, s_hi, 0.0)
+        acc0 += c0 * s_lo
+        acc1 += c1 * s_lo
+        acc2 += c2 * s_hi
+        acc3 += c3 * s_hi
+        lo = lo_next
+        hi = hi_next
+        x = x_next
+
+    # Sum the K slices; lanes (g, t) hold rows g, g + 8 of A rows 2t, 2t + 1.
+    out0 = gl.reduce(acc0, 0, _add)
+    out1 = gl.reduce(acc1, 0, _add)
+    out2 = gl.reduce(acc2, 0, _add)
+    out3 = gl.reduce(acc3, 0, _add)
+    out_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    rt2 = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(1, out_layout))[:, None]
+    lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
+    row = gl.program_id(0) * (16 * ROW_TILES) + rt2 * 16 + lane2 // 4
+    a_row = 2 * (lane2 % 4)
+    if GROUP_SIZE < 0:
+        s_lo = gl.load(s_ptr + gl.minimum(row, N - 1)).to(gl.float32)
+        s_hi = gl.load(s_ptr + gl.minimum(row + 8, N - 1)).to(gl.float32)
+        out0 = out0 * s_lo
+        out1 = out1 * s_lo
+        out2 = out2 * s_hi
+        out3 = out3 * s_hi
+    dtype = c_ptr.dtype.element_ty
+    c_ptrs = c_ptr + a_row * stride_cm + row
+    gl.store(c_ptrs, out0.to(dtype), mask=(row < N) & (a_row < M))
+    gl.store(c_ptrs + stride_cm, out1.to(dtype), mask=(row < N) & (a_row + 1 < M))
+    gl.store(c_ptrs + 8, out2.to(dtype), mask=(row + 8 < N) & (a_row < M))
+    gl.store(
+        c_ptrs + stride_cm + 8, out3.to(dtype), mask=(row + 8 < N) & (a_row + 1 < M)
+    )
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+def launch_mma_gemv(
+    a: torch.Tensor,
+    b_packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    group_size: int,
+    cfg: MmaGemvConfig,
+) -> None:
+    """One launch over arguments :func:`~.gemm.marlin_gemm` has checked
+    (shapes, dtypes, K and the group size multiples of 128); adds what this
+    kernel needs beyond them."""
+    m, k = a.shape
+    n = out.shape[1]
+    if m > MMA_GEMV_MAX_M:
+        raise ValueError(
+            f"a: at most {MMA_GEMV_MAX_M} rows for an MmaGemvConfig, got {m}"
+        )
+    check_mma_gemv_config(cfg)
+    # Every thread reads 16-byte runs of A's rows and of the weights.
+    if a.stride(0) % 8 or a.data_ptr() % 16:
+        raise ValueError(
+            "a: an MmaGemvConfig reads 16-byte aligned rows (data pointer and "
+            f"row stride), got stride {a.stride()} at {a.data_ptr():#x}"
+        )
+    if b_packed.data_ptr() % 16:
+        raise ValueError(
+            f"b_packed: an MmaGemvConfig needs it 16-byte aligned, got "
+            f"{b_packed.data_ptr():#x}"
+        )
+    cap = capability(a.device)
+    if torch.version.hip or envs.triton_interpret() or cap is None or cap < (8, 0):
+        raise ValueError(
+            "config: an MmaGemvConfig runs compiled on NVIDIA GPUs of compute "
+            f"capability 8.0 or later (mma.sync), not on {a.device}"
+        )
+    launch_pdl = pdl(a.device)
+    _mma_gemv_kernel[(-(-n // (16 * cfg.row_tiles)),)](
+        a,
+        b_packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b_packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        ROW_TILES=cfg.row_tiles,
+        TILES_PER_WARP=cfg.tiles_per_warp,
+        K_SPLIT=cfg.k_split,
+        FP16=a.dtype == torch.float16,
+        PDL=launch_pdl,
+        num_warps=cfg.num_warps,
+        launch_pdl=launch_pdl,
+    )
