@@ -197,6 +197,13 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
         marlin_gemm, b_packed=packed, scales=scales, workspace=locks,
         group_size=128, size_n=n, size_k=k, out=out, config=default_gemv_config(m, k),
     )  # fmt: skip
+    replay_with_new_inputs(gemm, a, out, lambda: _exact(a, packed, scales, 128))
+
+
+def replay_with_new_inputs(gemm, a, out, exact_and_bound) -> None:
+    """Captures ``gemm(a)`` (writing ``out``) in a CUDA graph, compiled
+    outside it, and replays it twice on fresh random ``a`` with ``out``
+    poisoned, checking each result against ``exact_and_bound()``."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         gemm(a)  # compile outside capture
@@ -209,7 +216,7 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, *_exact(a, packed, scales, 128))
+        _check(out, *exact_and_bound())
 
 
 SANITIZER = shutil.which("compute-sanitizer") or shutil.which(

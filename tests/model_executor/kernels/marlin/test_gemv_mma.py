@@ -25,6 +25,7 @@ from tests.model_executor.kernels.marlin.test_gemv import (
     _exact,
     _problem,
     _workspace,
+    replay_with_new_inputs,
 )
 from vllm.model_executor.kernels.marlin import marlin_gemm, unpack_weights
 from vllm.model_executor.kernels.marlin.gemv_mma import (
@@ -35,17 +36,18 @@ from vllm.model_executor.kernels.marlin.gemv_mma import (
 )
 
 MODULE = "tests.model_executor.kernels.marlin.test_gemv_mma"
-MAGIC_PLUS_8 = {torch.bfloat16: 136.0, torch.float16: 1032.0}
+# The largest unpacked weight, MAGIC + 15 UNIT, in units of UNIT.
+LARGEST_PAIR = {torch.bfloat16: 128.0 + 15, torch.float16: 1024.0 / 16 + 15}
 
 
 def _bound(a, scales, group_size, bound):
     """:func:`_exact`'s ``bound`` plus the offset's fp32 accumulation: 16
-    roundings a step (8 MMAs, 8 for the offset) of sums up to (MAGIC + 8)
-    |x| |scale|."""
+    roundings a step (8 MMAs, 8 for the offset; a tensor core may truncate:
+    a unit of 2^-23) of sums up to the largest pair times |x| |scale|."""
     g = a.shape[1] if group_size == -1 else group_size
     s = scales.float().abs().t().repeat_interleave(g, dim=1)  # [N, K]
-    magic_terms = MAGIC_PLUS_8[a.dtype] * (a.float().abs() @ s.t())
-    return bound + 16 * 2.0**-24 * magic_terms
+    magic_terms = LARGEST_PAIR[a.dtype] * (a.float().abs() @ s.t())
+    return bound + 16 * 2.0**-23 * magic_terms
 
 
 def _cuda(device):
@@ -54,10 +56,9 @@ def _cuda(device):
 
 
 def compile_kernels() -> None:
-    """bf16 / fp16, group / channel scales, three configs (run in a process
-    of its own by the test below): whether the PTX holds the MMAs, and the
-    order of the first weight load, the PDL wait and the first activation
-    load."""
+    """bf16 / fp16, group / channel scales, two configs (run in a process of
+    its own by the test below): the MMAs in the PTX, and in the SASS the
+    16-byte loads before the PDL wait (``ACQBULK``) and after it."""
     # Triton internals: imported here, so that a move fails this test only.
     import triton
     from triton.backends.compiler import GPUTarget
@@ -88,38 +89,57 @@ def compile_kernels() -> None:
                 source = GluonASTSource(
                     _mma_gemv_kernel, signature, constexprs=consts, attrs=aligned
                 )
-                ptx = triton.compile(
+                compiled = triton.compile(
                     source,
                     target=GPUTarget("cuda", 90, 32),
                     options={"num_warps": cfg.num_warps},
-                ).asm["ptx"]
-                order = [
-                    ptx.find(x)
-                    for x in ("ld.global.nc.v4", "griddepcontrol.wait", "ld.global.v4")
-                ]
+                )
                 ab = "bf16" if dtype == "bf16" else "f16"
-                mmas = ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}")
-                print(COMPILED, json.dumps([cfg.tiles_per_warp, mmas, order]))
+                mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}"
+                sass = _sass(compiled.asm["cubin"])
+                before, _, after = sass.partition("ACQBULK")
+                loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
+                mmas = compiled.asm["ptx"].count(mma)
+                print(COMPILED, json.dumps([cfg.tiles_per_warp, mmas, loads]))
+
+
+def _sass(cubin: bytes) -> str:
+    """The SASS of ``cubin``, by the cuobjdump Triton ships."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = [str(cuobjdump), "-sass", f.name]
+        return subprocess.run(run, capture_output=True, text=True, check=True).stdout
 
 
 def test_compiles_for_sm90_without_a_gpu():
     """Each build holds one K step's MMAs (8 per row tile of a warp, 8 for
-    the offset), loads its first weights before the PDL wait and its
-    activations only after it (the PDL contract, :mod:`~.common.pdl`)."""
+    the offset) and, as ptxas schedules it, loads the first step's words of
+    rows g and g + 8 of each tile before the PDL wait, the activations only
+    after it (the PDL contract, :mod:`~.common.pdl`)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 8
-    for tiles_per_warp, mmas, (weights, wait, activations) in builds:
+    for tiles_per_warp, mmas, (before_wait, after_wait) in builds:
         assert mmas == 8 * tiles_per_warp + 8
-        assert 0 <= weights < wait < activations
+        assert before_wait == 2 * tiles_per_warp
+        assert after_wait > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, MMA_GEMV_MAX_M])
 @pytest.mark.parametrize(
     "config",
-    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 2, 4), MmaGemvConfig(4, 2, 2)],
+    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 1, 2), MmaGemvConfig(2, 2, 4),
+     MmaGemvConfig(4, 2, 2)],
     ids=str,
-)
+)  # fmt: skip
 @pytest.mark.parametrize(
     "shape",
     # (N, K, group): N not a multiple of 16 or of a program's rows; one K
@@ -145,12 +165,31 @@ def test_matches_exact_product(device, shape, config, m, dtype):
     assert int(locks[0]) == 1000 and int(locks[1:].abs().sum()) == 0
 
 
-def test_rows_of_a_and_out_with_a_stride(device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activations_far_from_zero_mean(device, dtype):
+    """Activations all positive, or centred on 6: the per-step offset (the
+    largest pair times the activations' sum) no longer cancels by sign, so
+    its fp32 accumulation error is as large as it gets."""
+    _cuda(device)
+    n, k = 64, 2048
+    a, packed, scales, _, _ = _problem(4, n, k, 128, dtype, device)
+    for shifted in (a.float().abs(), a.float() + 6):
+        a = shifted.to(dtype)
+        out = marlin_gemm(
+            a, packed, scales, _workspace(device), group_size=128, size_n=n,
+            size_k=k, config=MmaGemvConfig(2, 2, 4),
+        )  # fmt: skip
+        exact, bound = _exact(a, packed, scales, 128)
+        _check(out, exact, _bound(a, scales, 128, bound))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_of_a_and_out_with_a_stride(device, dtype):
     """A and out as views with row strides past K and N: only their own
     columns are read and written."""
     _cuda(device)
     m, n, k = 3, 48, 384
-    a, packed, scales, exact, bound = _problem(m, n, k, 128, torch.bfloat16, device)
+    a, packed, scales, exact, bound = _problem(m, n, k, 128, dtype, device)
     wide = torch.full((m, k + 128), float("inf"), dtype=a.dtype, device=device)
     wide[:, :k] = a
     out = torch.full((m, n + 8), 7.0, dtype=a.dtype, device=device)
@@ -182,6 +221,13 @@ def test_bad_arguments_raise(device):
     shifted = torch.zeros(1, k + 8, dtype=a.dtype, device=device)[:, 1 : k + 1]
     with pytest.raises(ValueError, match="a: an MmaGemvConfig reads 16-byte"):
         call(shifted, config=MmaGemvConfig(1, 1, 1))
+    rows = torch.zeros(2, k + 4, dtype=a.dtype, device=device)[:, :k]  # 8-byte rows
+    with pytest.raises(ValueError, match="a: an MmaGemvConfig reads 16-byte"):
+        call(rows, config=MmaGemvConfig(1, 1, 1))
+    words = torch.zeros(packed.numel() + 1, dtype=packed.dtype, device=device)
+    words = words[1:].view(packed.shape)
+    with pytest.raises(ValueError, match="b_packed: an MmaGemvConfig needs it 16"):
+        call(a[:1], b_packed=words, config=MmaGemvConfig(1, 1, 1))
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaGemvConfig runs compiled"):
             call(a[:1], config=MmaGemvConfig(1, 1, 1))
@@ -216,27 +262,20 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
         marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(dev),
         group_size=128, size_n=n, size_k=k, out=out, config=default_mma_gemv_config(),
     )  # fmt: skip
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        gemm(a)  # compile outside capture
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        gemm(a)
-    for _ in range(2):
-        a.copy_(torch.randn_like(a.float()).to(a.dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+
+    def exact_and_bound():
         exact, bound = _exact(a, packed, scales, 128)
-        _check(out, exact, _bound(a, scales, 128, bound))
+        return exact, _bound(a, scales, 128, bound)
+
+    replay_with_new_inputs(gemm, a, out, exact_and_bound)
 
 
-def test_bound_catches_a_wrong_k_order():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bound_catches_a_wrong_k_order(dtype):
     """The bound is tight enough to fail a kernel that pairs weights with
     the wrong activations: the product with the K order of each word's
     nibbles swapped falls outside it."""
-    a, packed, scales, exact, bound = _problem(2, 48, 256, 128, torch.bfloat16, "cpu")
+    a, packed, scales, exact, bound = _problem(2, 48, 256, 128, dtype, "cpu")
     swapped = unpack_weights(packed).reshape(48, -1, 2, 4).flip(-1).reshape(48, 256)
     g = scales.float().t().repeat_interleave(128, dim=1)
     wrong = a.float() @ ((swapped.float() - 8) * g).t()

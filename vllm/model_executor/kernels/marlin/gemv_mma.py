@@ -5,9 +5,9 @@ rows of A for the time of one.
 :mod:`.gemv` multiplies on the CUDA cores and is issue-bound: a weight costs
 at least a LOP3, an FSUB and an FFMA (4.2 instructions measured), so its
 loop cannot keep the loads in flight that the copy bandwidth needs
-(docs/marlin.md). Here a weight costs half a LOP3 and half a packed
-subtract: ``mma.sync.m16n8k16`` multiplies them, the A operand (16 weight
-rows x 16 K) straight from the registers the words were dequantized into.
+(docs/marlin.md). Here a weight costs half a LOP3 and under half a shift:
+``mma.sync.m16n8k16`` multiplies them, the A operand (16 weight rows x 16
+K) straight from the registers the words were unpacked into.
 Each thread holds exactly its fragment's values, so nothing moves between
 threads or through shared memory:
 
@@ -16,9 +16,11 @@ threads or through shared memory:
   and ``g + 8`` (K columns ``32t .. 32t + 31``; the four lanes of a row read
   64 contiguous bytes);
 - a word's nibbles ``(i, i + 4)`` are columns ``(8c + 2i, 8c + 2i + 1)``
-  (:mod:`.packing`), so one LOP3 of the word shifted by ``4i`` gives them as
-  a 16-bit pair ``128 + q`` (bf16) or ``1024 + q`` (fp16) and one packed
-  subtract leaves ``q - 8`` exactly;
+  (:mod:`.packing`), so one LOP3 of the word shifted into place gives them
+  as an exact 16-bit pair ``MAGIC + UNIT * q``; each step's sum starts from
+  ``-(MAGIC + 8 UNIT)`` times the step's activation sums (8 MMAs with a
+  constant A), so the MMAs add up ``UNIT * (q - 8) * x`` without a subtract
+  per weight;
 - the K order inside an MMA is free as long as A and B agree: MMA ``(j,
   h)`` of the step gives the fragment's slot pair ``2t`` the columns ``32t +
   8j + 4h + (0, 1)`` and slot pair ``2t + 8`` the next two, so its B
@@ -32,9 +34,9 @@ A program owns ``16 * ROW_TILES`` weight rows; its ``ROW_TILES x
 K_SPLIT`` warps each take 16 of them over every ``K_SPLIT``-th step and sum
 across warps at the end. The next step's words and activations load while
 the current step multiplies; the first step's words load before the PDL
-wait. Rows past N and steps past K repeat the last ones (not stored, or
-multiplied by zero activations). No split-K across programs: the lock
-workspace is not touched.
+wait (plain loads: ptxas hoists the wait above non-coherent ones). Rows
+past N and steps past K repeat the last ones (not stored, or scaled by
+zero). No split-K across programs: the lock workspace is not touched.
 """
 
 from dataclasses import dataclass
@@ -82,25 +84,34 @@ def check_mma_gemv_config(cfg: MmaGemvConfig) -> None:
         )
 
 
-# One word -> its four pairs, nibbles (i, i + 4) in pair i, as 16-bit
-# ``MAGIC + q``: ORed into the low mantissa bits of MAGIC (128 in bf16, 1024
-# in fp16), a nibble q reads as MAGIC + q. The MMAs take these; each step's
-# accumulator starts from -(MAGIC + 8) times the activations' sum, so what
-# they add up is (q - 8) x with no per-weight subtract.
-def _dequant_asm(magic: int) -> str:
-    pattern = f"0x{magic:04x}{magic:04x}"
-    lines = [f"lop3.b32 $0, $4, 0x000f000f, {pattern}, 0xEA;"]
-    for i in range(1, 4):
-        lines.append(f"shr.u32 t, $4, {4 * i};")
-        lines.append(f"lop3.b32 ${i}, t, 0x000f000f, {pattern}, 0xEA;")
+# One word -> its four pairs, nibbles (i, i + 4) in pair i, as the 16-bit
+# pattern MAGIC ORed with q at a bit position where it reads MAGIC + UNIT q
+# exactly. The sum then carries an offset -(MAGIC + 8 UNIT) per weight that
+# must cancel: its size over UNIT's sets the fp32 error. bf16 (7 mantissa
+# bits): 128 + q (the nibble in bits 0-3). fp16 (10 bits): 1024 + 16 q (bits
+# 4-7), 9x the largest weight where 1024 + q would be 129x.
+def _unpack_asm(magic: int, mask: int, shifts: tuple[int, ...]) -> str:
+    """Word ``$4`` -> pairs ``$0 .. $3``; ``shifts[i]`` moves pair i onto
+    ``mask`` (a right shift, left where negative)."""
+    lines = []
+    for i, shift in enumerate(shifts):
+        src = "$4"
+        if shift:
+            op = "shr.u32" if shift > 0 else "shl.b32"
+            lines.append(f"{op} t, $4, {abs(shift)};")
+            src = "t"
+        pattern = f"0x{magic:04x}{magic:04x}"
+        lines.append(f"lop3.b32 ${i}, {src}, 0x{mask:08x}, {pattern}, 0xEA;")
     return "{ .reg .b32 t; " + " ".join(lines) + " }"
 
 
-_DEQUANT_BF16 = gl.constexpr(_dequant_asm(0x4300))
-_DEQUANT_FP16 = gl.constexpr(_dequant_asm(0x6400))
-# -(MAGIC + 8) as a 16-bit pair: bf16 -136, fp16 -1032.
-_OFFSET_BF16 = gl.constexpr(-0x3CF73CF8)  # 0xC308C308 as int32
-_OFFSET_FP16 = gl.constexpr(-0x1BF71BF8)  # 0xE408E408 as int32
+_UNPACK_BF16 = gl.constexpr(_unpack_asm(0x4300, 0x000F000F, (0, 4, 8, 12)))
+_UNPACK_FP16 = gl.constexpr(_unpack_asm(0x6400, 0x00F000F0, (-4, 0, 4, 8)))
+# -(MAGIC + 8 UNIT) as a 16-bit pair, and 1 / UNIT.
+_OFFSET_BF16 = gl.constexpr(-0x3CF73CF8)  # 0xC308C308 as int32: -136
+_OFFSET_FP16 = gl.constexpr(-0x1B7F1B80)  # 0xE480E480 as int32: -1152
+_UNIT_INV_BF16 = gl.constexpr(1.0)
+_UNIT_INV_FP16 = gl.constexpr(1.0 / 16)
 
 
 def _mma_asm(ab: str) -> str:
@@ -113,16 +124,16 @@ def _mma_asm(ab: str) -> str:
 _MMA_BF16 = gl.constexpr(_mma_asm("bf16"))
 _MMA_FP16 = gl.constexpr(_mma_asm("f16"))
 
-# 16 bytes per thread: weights through the non-coherent path, activations not.
-_LOAD_V4 = gl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
-_LOAD_ACT = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
+# 16 bytes per thread. Not ld.global.nc: ptxas moves a PDL wait above those.
+_LOAD_V4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 _TILE_K = gl.constexpr(TILE_K)
 _STEP_WORDS = gl.constexpr(TILE_K // PACK)  # packed words per row and K step
 
 
 @gluon.jit
 def _load_words(ptrs):
-    """Four consecutive int32 per thread, one 16-byte load."""
+    """Four consecutive int32 per thread, one 16-byte load; pure (movable):
+    for the weights, which no kernel of the step writes."""
     return gl.inline_asm_elementwise(
         _LOAD_V4, "=r,=r,=r,=r,l", [ptrs],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
@@ -134,14 +145,14 @@ def _load_act(ptrs):
     """As :func:`_load_words`, but not pure: the activations are the previous
     kernel's, read after the PDL wait only (a pure asm may move above it)."""
     return gl.inline_asm_elementwise(
-        _LOAD_ACT, "=r,=r,=r,=r,l", [ptrs],
+        _LOAD_V4, "=r,=r,=r,=r,l", [ptrs],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=False, pack=1,
     )  # fmt: skip
 
 
 @gluon.jit
-def _dequant(word, FP16: gl.constexpr):
-    asm: gl.constexpr = _DEQUANT_FP16 if FP16 else _DEQUANT_BF16
+def _unpack(word, FP16: gl.constexpr):
+    asm: gl.constexpr = _UNPACK_FP16 if FP16 else _UNPACK_BF16
     return gl.inline_asm_elementwise(
         asm, "=r,=r,=r,=r,r", [word],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
@@ -168,15 +179,15 @@ def _word_mmas(lo, hi, b0, b1, b2, b3, c0, c1, c2, c3, FP16: gl.constexpr):
     b1 = b1[:, None, :]
     b2 = b2[:, None, :]
     b3 = b3[:, None, :]
-    l0, l1, l2, l3 = _dequant(lo, FP16)
-    h0, h1, h2, h3 = _dequant(hi, FP16)
+    l0, l1, l2, l3 = _unpack(lo, FP16)
+    h0, h1, h2, h3 = _unpack(hi, FP16)
     c0, c1, c2, c3 = _mma(l0, h0, l1, h1, b0, b1, c0, c1, c2, c3, FP16)
     return _mma(l2, h2, l3, h3, b2, b3, c0, c1, c2, c3, FP16)
 
 
 @gluon.jit
 def _offset(x, FP16: gl.constexpr):
-    """-(MAGIC + 8) times the sum of the step's activations, as an MMA
+    """-(MAGIC + 8 UNIT) times the sum of the step's activations, as an MMA
     fragment of A rows 2t, 2t + 1 (the same for every weight row): an A
     operand of constant pairs against each of the step's 8 B fragments."""
     pair: gl.constexpr = _OFFSET_FP16 if FP16 else _OFFSET_BF16
@@ -315,13 +326,17 @@ def _mma_gemv_kernel(
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
     row = gl.program_id(0) * (16 * ROW_TILES) + rt2 * 16 + lane2 // 4
     a_row = 2 * (lane2 % 4)
+    unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
     if GROUP_SIZE < 0:
-        s_lo = gl.load(s_ptr + gl.minimum(row, N - 1)).to(gl.float32)
-        s_hi = gl.load(s_ptr + gl.minimum(row + 8, N - 1)).to(gl.float32)
-        out0 = out0 * s_lo
-        out1 = out1 * s_lo
-        out2 = out2 * s_hi
-        out3 = out3 * s_hi
+        s_lo = gl.load(s_ptr + gl.minimum(row, N - 1)).to(gl.float32) * unit_inv
+        s_hi = gl.load(s_ptr + gl.minimum(row + 8, N - 1)).to(gl.float32) * unit_inv
+    else:
+        s_lo = unit_inv
+        s_hi = unit_inv
+    out0 = out0 * s_lo
+    out1 = out1 * s_lo
+    out2 = out2 * s_hi
+    out3 = out3 * s_hi
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + a_row * stride_cm + row
     gl.store(c_ptrs, out0.to(dtype), mask=(row < N) & (a_row < M))
@@ -356,7 +371,7 @@ def launch_mma_gemv(
         )
     check_mma_gemv_config(cfg)
     # Every thread reads 16-byte runs of A's rows and of the weights.
-    if a.stride(0) % 8 or a.data_ptr() % 16:
+    if (m > 1 and a.stride(0) % 8) or a.data_ptr() % 16:
         raise ValueError(
             "a: an MmaGemvConfig reads 16-byte aligned rows (data pointer and "
             f"row stride), got stride {a.stride()} at {a.data_ptr():#x}"
