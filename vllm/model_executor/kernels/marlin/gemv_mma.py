@@ -227,6 +227,72 @@ def _load_x(x_rows, step):
 
 
 @gluon.jit
+def mma_rows(
+    w_lo,  # [S, R, 32] int32 pointers: rows g of R tiles, lane t's first word
+    w_hi,  # the same for rows g + 8
+    s_lo,  # [S, R, 32] pointers to rows g's group-0 (or channel) scales
+    s_hi,  # the same for rows g + 8
+    x_rows,  # [S, 32] int32 pointers: the lane's A row at its 64-byte run
+    first,  # [S, 32] each slice's first K step (< STEP_STRIDE)
+    steps,  # K // 128
+    stride_sg,  # from one group's scales to the next
+    STEP_STRIDE: gl.constexpr,  # a slice takes steps first, first + STEP_STRIDE..
+    GROUP_SIZE: gl.constexpr,  # a multiple of 128, or -1 (per channel)
+    FP16: gl.constexpr,
+    PDL: gl.constexpr,  # wait for the previous kernel after the first words
+):
+    """The K loop: fp32 [S, R, 32] x 4, each warp slice's scaled sums of its
+    steps; lane (g, t) holds rows g (0, 1) and g + 8 (2, 3) of A rows 2t
+    and 2t + 1. A slice's steps past the last repeat the last one and are
+    scaled by zero."""
+    step = gl.minimum(first, steps - 1)
+    lo = _load_words(w_lo + step[:, None, :] * _STEP_WORDS)
+    hi = _load_words(w_hi + step[:, None, :] * _STEP_WORDS)
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    x = _load_x(x_rows, step)
+    acc0 = gl.zeros_like(lo[0], dtype=gl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for i in range(0, gl.cdiv(steps, STEP_STRIDE)):
+        here = first + i * STEP_STRIDE
+        nxt = gl.minimum(here + STEP_STRIDE, steps - 1)
+        lo_next = _load_words(w_lo + nxt[:, None, :] * _STEP_WORDS)
+        hi_next = _load_words(w_hi + nxt[:, None, :] * _STEP_WORDS)
+        x_next = _load_x(x_rows, nxt)
+        c0, c1, c2, c3 = _step(lo, hi, x, FP16)
+        valid = (here < steps)[:, None, :]
+        if GROUP_SIZE > 0:
+            group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
+            scale_lo = gl.load(s_lo + group * stride_sg).to(gl.float32)
+            scale_hi = gl.load(s_hi + group * stride_sg).to(gl.float32)
+        else:
+            scale_lo = 1.0
+            scale_hi = 1.0
+        scale_lo = gl.where(valid, scale_lo, 0.0)
+        scale_hi = gl.where(valid, scale_hi, 0.0)
+        acc0 += c0 * scale_lo
+        acc1 += c1 * scale_lo
+        acc2 += c2 * scale_hi
+        acc3 += c3 * scale_hi
+        lo = lo_next
+        hi = hi_next
+        x = x_next
+    unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
+    if GROUP_SIZE < 0:
+        scale_lo = gl.load(s_lo).to(gl.float32) * unit_inv
+        scale_hi = gl.load(s_hi).to(gl.float32) * unit_inv
+    else:
+        scale_lo = unit_inv
+        scale_hi = unit_inv
+    return acc0 * scale_lo, acc1 * scale_lo, acc2 * scale_hi, acc3 * scale_hi
+
+
+@gluon.jit
 def _mma_gemv_kernel(
     a_ptr,  # [M, K] bf16 / fp16
     b_ptr,  # [N, K // 8] int32, :mod:`.packing`
@@ -246,8 +312,6 @@ def _mma_gemv_kernel(
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    # [k slice, row tile, lane]: a lane holds its slot of TILES_PER_WARP
-    # tiles; the activations drop the tile dimension (one load per thread).
     layout: gl.constexpr = gl.BlockedLayout(
         [1, TILES_PER_WARP, 1],
         [1, 1, 32],
@@ -265,56 +329,16 @@ def _mma_gemv_kernel(
     row_lo = gl.program_id(0) * (16 * ROW_TILES) + rt * 16 + g[:, None, :]
     row_hi = gl.minimum(row_lo + 8, N - 1)  # rows past N repeat the last
     row_lo = gl.minimum(row_lo, N - 1)
-    w_lo = b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4
-    w_hi = b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4
     # Rows of A past M repeat the last: they only feed MMA columns not stored.
     x_rows = (a_ptr + gl.minimum(g, M - 1) * stride_am).to(
         gl.pointer_type(gl.int32), bitcast=True
     )
-    x_rows = x_rows + t * 16
-
-    # Warp slice ks takes steps ks, ks + K_SPLIT, ...; a step past the last
-    # repeats the last one and is scaled by zero.
-    steps = K // _TILE_K
-    step = gl.minimum(ks + gl.zeros_like(lane), steps - 1)
-    lo = _load_words(w_lo + step[:, None, :] * _STEP_WORDS)
-    hi = _load_words(w_hi + step[:, None, :] * _STEP_WORDS)
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
-            "=r", [], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    x = _load_x(x_rows, step)
-
-    zero = gl.zeros([K_SPLIT, ROW_TILES, 32], gl.float32, layout)
-    acc0 = zero
-    acc1 = zero
-    acc2 = zero
-    acc3 = zero
-    for i in range(0, gl.cdiv(steps, K_SPLIT)):
-        here = ks + i * K_SPLIT
-        nxt = gl.minimum(here + K_SPLIT + gl.zeros_like(lane), steps - 1)
-        lo_next = _load_words(w_lo + nxt[:, None, :] * _STEP_WORDS)
-        hi_next = _load_words(w_hi + nxt[:, None, :] * _STEP_WORDS)
-        x_next = _load_x(x_rows, nxt)
-        c0, c1, c2, c3 = _step(lo, hi, x, FP16)
-        valid = (here < steps)[:, None, :]
-        if GROUP_SIZE > 0:
-            group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
-            s_lo = gl.load(s_ptr + group * stride_sg + row_lo).to(gl.float32)
-            s_hi = gl.load(s_ptr + group * stride_sg + row_hi).to(gl.float32)
-        else:
-            s_lo = 1.0
-            s_hi = 1.0
-        s_lo = gl.where(valid, s_lo, 0.0)
-        s_hi = gl.where(valid, s_hi, 0.0)
-        acc0 += c0 * s_lo
-        acc1 += c1 * s_lo
-        acc2 += c2 * s_hi
-        acc3 += c3 * s_hi
-        lo = lo_next
-        hi = hi_next
-        x = x_next
+    acc0, acc1, acc2, acc3 = mma_rows(
+        b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4,
+        b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4,
+        s_ptr + row_lo, s_ptr + row_hi, x_rows + t * 16, ks + gl.zeros_like(lane),
+        K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL,
+    )  # fmt: skip
 
     # Sum the K slices; lanes (g, t) hold rows g, g + 8 of A rows 2t, 2t + 1.
     out0 = gl.reduce(acc0, 0, _add)
@@ -326,17 +350,6 @@ def _mma_gemv_kernel(
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
     row = gl.program_id(0) * (16 * ROW_TILES) + rt2 * 16 + lane2 // 4
     a_row = 2 * (lane2 % 4)
-    unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
-    if GROUP_SIZE < 0:
-        s_lo = gl.load(s_ptr + gl.minimum(row, N - 1)).to(gl.float32) * unit_inv
-        s_hi = gl.load(s_ptr + gl.minimum(row + 8, N - 1)).to(gl.float32) * unit_inv
-    else:
-        s_lo = unit_inv
-        s_hi = unit_inv
-    out0 = out0 * s_lo
-    out1 = out1 * s_lo
-    out2 = out2 * s_hi
-    out3 = out3 * s_hi
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + a_row * stride_cm + row
     gl.store(c_ptrs, out0.to(dtype), mask=(row < N) & (a_row < M))
