@@ -28,6 +28,9 @@ from vllm.model_executor.kernels.marlin.moe_decode import (
     marlin_moe_decode_routed,
     marlin_moe_decode_routed_reference,
 )
+from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    default_mma_moe_decode_config,
+)
 
 POISON = float("nan")
 
@@ -299,7 +302,8 @@ def test_gpu_model_sizes(tokens):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_routing():
+@pytest.mark.parametrize("config", [None, default_mma_moe_decode_config()], ids=str)
+def test_gpu_cuda_graph_replay_with_new_routing(config):
     dev = torch.device("cuda")
     tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8
     w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.bfloat16, dev, seed=3)
@@ -309,7 +313,7 @@ def test_gpu_cuda_graph_replay_with_new_routing():
     act = torch.empty(tokens * topk, inter, dtype=torch.bfloat16, device=dev)
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
     call = functools.partial(marlin_moe_decode, x, ids, tw, w13, s13, w2, s2, None,
-                             "silu", 128, act, out)  # fmt: skip
+                             "silu", 128, act, out, config)  # fmt: skip
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         call()  # compile outside capture

@@ -64,6 +64,10 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
+from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    MmaMoeDecodeConfig,
+    launch_mma_moe_decode,
+)
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
 
@@ -368,18 +372,28 @@ def marlin_moe_decode(
     group_size: int,
     act: torch.Tensor,
     out: torch.Tensor,
-    config: MarlinDecodeConfig | None = None,
+    config: MarlinDecodeConfig | MmaMoeDecodeConfig | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` with
     :class:`MarlinExperts`' weights (int32 w13 [E, 2I, H // 8] gate rows then
     up rows, w2 [E, H, I // 8], scales [E, groups, N] in ``x``'s dtype) or
     :class:`TritonExpertsW4A8`'s (uint8 w13 [E, 2I, H // 2] interleaved, w2
     [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
-    [>= T * topk, I] is scratch. Returns ``out``."""
+    [>= T * topk, I] is scratch. Returns ``out``. An
+    :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels
+    (Marlin's packing; not a default until measured)."""
     _check_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
     _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
+    if isinstance(config, MmaMoeDecodeConfig):
+        if x.shape[0]:
+            launch_mma_moe_decode(
+                x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales,
+                expert_map, _num_ids(w13, expert_map), activation, group_size, act,
+                out, config,
+            )  # fmt: skip
+        return out
     routing = DecodeRouting.by_ids(topk_ids, topk_weights)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
                    activation, group_size, act, out, config)  # fmt: skip

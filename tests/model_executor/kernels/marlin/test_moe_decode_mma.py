@@ -1,0 +1,210 @@
+"""The uint4 experts' decode kernels on the tensor cores
+(``marlin/moe_decode_mma.py``) against the plain-PyTorch reference, through
+``marlin_moe_decode`` with an MmaMoeDecodeConfig.
+
+Routing as in ``test_moe_decode.py``: a repeated expert, the first and last
+expert, invalid ids and, under ``expert_map``, remote experts; ``act`` rows
+of routes without a local expert stay poisoned. Gluon with inline PTX: the
+kernels run on NVIDIA GPUs only (CPU runs check their build for sm_90 and
+the argument errors).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    compiled_in_own_process,
+)
+from tests.model_executor.kernels.marlin.test_gemv_mma import _sass
+from tests.model_executor.kernels.marlin.test_moe_decode import (
+    _close,
+    _local,
+    _run,
+    _weights,
+)
+from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
+from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    MmaMoeDecodeConfig,
+    _down_sum_mma_kernel,
+    _gated_mma_kernel,
+    default_mma_moe_decode_config,
+)
+
+MODULE = "tests.model_executor.kernels.marlin.test_moe_decode_mma"
+# bf16 outputs round at 2^-8; fp16 at 2^-11 (relative to the largest).
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+CONFIGS = [
+    default_mma_moe_decode_config(),
+    MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1),
+    MmaMoeDecodeConfig(4, 2, 2, 2, 1, 2),
+]
+
+
+def _cuda(device):
+    if device.type != "cuda":
+        pytest.skip("Gluon with inline PTX: NVIDIA GPUs only")
+
+
+def compile_kernels() -> None:
+    """Both kernels, bf16 and fp16 (run in a process of its own by the test
+    below): the MMAs in the PTX, and the 16-byte loads before and after the
+    PDL wait in the SASS."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = default_mma_moe_decode_config()
+    gated_args = [
+        "x_ptr",
+        "ids_ptr",
+        "map_ptr",
+        "w_ptr",
+        "s_ptr",
+        "act_ptr",
+        "K",
+        "inter",
+        "topk",
+        "num_ids",
+        "num_local",
+        "stride_x",
+        "stride_ids",
+        "stride_act",
+        "stride_we",
+        "stride_wn",
+        "stride_se",
+        "stride_sg",
+    ]
+    down_args = ["act_ptr", "ids_ptr", "map_ptr", "weights_ptr", "w_ptr", "s_ptr",
+                 "out_ptr", "inter", "hidden", "topk", "num_ids", "num_local",
+                 "stride_act", "stride_ids", "stride_weights", "stride_out",
+                 "stride_we", "stride_wn", "stride_se", "stride_sg"]  # fmt: skip
+    for dtype in ("bf16", "fp16"):
+        fp16 = dtype == "fp16"
+        ptr = f"*{dtype}"
+        builds = [
+            (
+                _gated_mma_kernel,
+                gated_args,
+                [ptr, "*i32", "*i32", "*i32", ptr, ptr] + ["i32"] * 12,
+                {"HAS_MAP": True, "MODE": 1, "ALPHA": 1.702, "LIMIT": 7.0,
+                 "GROUP_SIZE": 128, "ROW_TILES": cfg.gated_row_tiles,
+                 "TILES_PER_WARP": cfg.gated_tiles_per_warp,
+                 "K_SPLIT": cfg.gated_k_split, "FP16": fp16, "PDL": True},
+                cfg.gated_row_tiles // cfg.gated_tiles_per_warp * cfg.gated_k_split,
+            ),
+            (
+                _down_sum_mma_kernel,
+                down_args,
+                [ptr, "*i32", "*i32", "*fp32", "*i32", ptr, ptr] + ["i32"] * 13,
+                {"HAS_MAP": True, "GROUP_SIZE": 128, "ROW_TILES": cfg.down_row_tiles,
+                 "TILES_PER_WARP": cfg.down_tiles_per_warp,
+                 "ROUTE_SPLIT": cfg.down_route_split, "FP16": fp16, "PDL": True},
+                cfg.down_row_tiles // cfg.down_tiles_per_warp * cfg.down_route_split,
+            ),
+        ]  # fmt: skip
+        for kernel, args, types, consts, warps in builds:
+            signature = dict(zip(args, types, strict=True))
+            signature |= dict.fromkeys(consts, "constexpr")
+            aligned = {
+                (i,): [["tt.divisibility", 16]]
+                for i, name in enumerate(args)
+                if name.endswith("_ptr") or name in ("K", "inter", "hidden")
+            }
+            source = GluonASTSource(kernel, signature, constexprs=consts, attrs=aligned)
+            compiled = triton.compile(
+                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+            )
+            ab = "f16" if fp16 else "bf16"
+            mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
+            before, _, after = _sass(compiled.asm["cubin"]).partition("ACQBULK")
+            loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
+            print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """GEMM1 (one K step of 2 row tiles a warp in its loop): 24 MMAs, and
+    the PDL wait before any load (the routing is the previous kernel's).
+    GEMM2 (one tile a warp, the first route peeled): 2 x 16 MMAs, and the
+    first route's words of rows g and g + 8 loaded before the wait."""
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == 4
+    for name, mmas, (before_wait, after_wait) in builds:
+        if name == "_gated_mma_kernel":
+            assert (mmas, before_wait) == (24, 0)
+        else:
+            assert (mmas, before_wait) == (32, 2)
+        assert after_wait > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "swiglu"])
+@pytest.mark.parametrize("topk", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_matches_reference(device, config, tokens, topk, activation, dtype):
+    # hidden 384: 3 K steps of GEMM1 over 4 or 2 warps; inter 256: 2 K
+    # steps of GEMM2 and 16 / 32 gate-up columns a program; top-3 and top-1
+    # leave GEMM2's route slices idle in some turns.
+    _cuda(device)
+    out, ref, act, ids, _ = _run(
+        tokens, 384, 256, 6, topk, dtype, device, activation, config=config
+    )
+    _close(out, ref, TOLERANCE[dtype])
+    untouched = ~_local(ids, 6, None).flatten().to(device)
+    assert bool(torch.isnan(act[untouched]).all())
+
+
+@pytest.mark.parametrize("group_size", [128, 256])
+@pytest.mark.parametrize("topk", [1, 4])
+def test_expert_map_skips_remote_experts(device, topk, group_size):
+    _cuda(device)
+    expert_map = torch.tensor([-1, 0, 2, -1, 1, -1], dtype=torch.int32)
+    out, ref, act, ids, _ = _run(
+        3, 512, 256, 3, topk, torch.float16, device, expert_map=expert_map,
+        config=CONFIGS[2], group_size=group_size,
+    )  # fmt: skip
+    _close(out, ref, TOLERANCE[torch.float16])
+    untouched = ~_local(ids, 3, expert_map).flatten().to(device)
+    assert bool(torch.isnan(act[untouched]).all())
+
+
+def test_bad_inputs_raise(device):
+    hidden, inter, experts, topk = 256, 128, 4, 2
+    x = torch.randn(1, hidden, device=device).half()
+    ids = torch.zeros(1, topk, dtype=torch.int32, device=device)
+    tw = torch.rand(1, topk, device=device)
+    act = torch.empty(topk, inter, dtype=x.dtype, device=device)
+    out = torch.empty(1, hidden, dtype=x.dtype, device=device)
+    marlin = _weights(experts, hidden, inter, x.dtype, device)
+    w4a8 = _weights(experts, hidden, inter, x.dtype, device, w4a8=True)
+
+    def call(weights=marlin, x=x, config=CONFIGS[0]):
+        marlin_moe_decode(x, ids, tw, *weights, None, "silu", 128, act, out, config)
+
+    with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig takes"):
+        call(w4a8)
+    with pytest.raises(ValueError, match="config: k_split must be a power of two"):
+        call(config=MmaMoeDecodeConfig(1, 1, 3, 1, 1, 1))
+    wide = torch.zeros(1, hidden + 8, dtype=x.dtype, device=device)
+    with pytest.raises(ValueError, match="x: expected 16-byte aligned rows"):
+        call(x=wide[:, 1 : hidden + 1])
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig runs"):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+def test_gpu_model_sizes(tokens):
+    """Qwen3-30B-A3B's expert shapes, bf16, the default config."""
+    dev = torch.device("cuda")
+    out, ref, act, ids, _ = _run(
+        tokens, 2048, 768, 128, 8, torch.bfloat16, dev,
+        config=default_mma_moe_decode_config(),
+    )  # fmt: skip
+    _close(out, ref, 2e-2)
+    untouched = ~_local(ids, 128, None).flatten().to(dev)
+    assert bool(torch.isnan(act[untouched]).all())
