@@ -53,6 +53,7 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
+from vllm.model_executor.kernels.marlin.moe_decode_mma import MmaMoeDecodeConfig
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -243,7 +244,8 @@ def sweep_uint4_tiles(
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
 ) -> dict[str, float]:
-    """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8)."""
+    """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8; for
+    W4A16 the tensor-core kernels' tiles too)."""
     moe = experts.moe
     if isinstance(experts, MarlinExperts):
         packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
@@ -256,7 +258,7 @@ def sweep_uint4_tiles(
     weights = torch.rand(ids[0].shape, device=hidden.device)
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
     out = torch.empty_like(hidden)
-    steps = {}
+    steps: dict[str, Callable[[int], None]] = {}
     for gated, down_tile in itertools.product(
         (
             (4, 1024, 4),
@@ -278,6 +280,20 @@ def sweep_uint4_tiles(
             )  # fmt: skip
 
         steps[str(config)] = step
+    if isinstance(experts, MarlinExperts):  # the tensor-core kernels' tiles
+        for gated_mma, down_mma in itertools.product(
+            ((1, 1, 1), (2, 1, 2), (2, 2, 4), (4, 2, 2), (4, 4, 2), (2, 1, 8)),
+            ((1, 1, 8), (1, 1, 4), (2, 2, 8), (4, 4, 8)),
+        ):
+            mma = MmaMoeDecodeConfig(*gated_mma, *down_mma)
+
+            def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
+                marlin_moe_decode(
+                    hidden, ids[it], weights, *packed, None, moe.activation,
+                    group_size, act, out, config,
+                )  # fmt: skip
+
+            steps[str(mma)] = mma_step
     return time_graphs_us(steps, ITERS, repeats=3)
 
 

@@ -10,6 +10,7 @@ the argument errors).
 """
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def compile_kernels() -> None:
     for dtype in ("bf16", "fp16"):
         fp16 = dtype == "fp16"
         ptr = f"*{dtype}"
-        builds = [
+        builds: list[tuple[Any, list[str], list[str], dict[str, object], int]] = [
             (
                 _gated_mma_kernel,
                 gated_args,
@@ -182,7 +183,9 @@ def test_bad_inputs_raise(device):
     w4a8 = _weights(experts, hidden, inter, x.dtype, device, w4a8=True)
 
     def call(weights=marlin, x=x, config=CONFIGS[0]):
-        marlin_moe_decode(x, ids, tw, *weights, None, "silu", 128, act, out, config)
+        w13, s13, w2, s2 = weights
+        marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out,
+                          config)  # fmt: skip
 
     with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig takes"):
         call(w4a8)
