@@ -20,6 +20,10 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 - ``... no split combine``: attention's split-KV partials never merged.
 - ``... one kernel more``: a trivial kernel launched with PDL after
   attention: what a launch costs in the chain.
+- ``W4A16 on tensor cores`` (``--quantization w4a16``): ``marlin_gemm`` at
+  1-8 rows and the uint4 experts' decode kernels on the tensor-core
+  kernels (``gemv_mma``, ``moe_decode_mma``: routing by ids), against
+  ``routing by ids`` (the same routing on the CUDA-core kernels).
 
 The last two keep the constant routing as their reference: their own
 numbers go wrong (without the combine attention returns uninitialized
@@ -52,9 +56,18 @@ from vllm.model_executor.kernels.common.rms_norm import rms_norm
 from vllm.model_executor.kernels.common.topk_softmax import DecodeRouting
 from vllm.model_executor.kernels.grouped_gemm import decode
 from vllm.model_executor.kernels.marlin import moe_decode
+from vllm.model_executor.kernels.marlin.gemv_mma import (
+    MMA_GEMV_MAX_M,
+    default_mma_gemv_config,
+)
+from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    default_mma_moe_decode_config,
+)
 from vllm.model_executor.layers import attention
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe.experts import fused_marlin_moe
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
+from vllm.model_executor.layers.quantization.utils import marlin_utils
 from vllm.v1.attention.backends import triton_paged
 
 PRESET, LAYERS, TOPK = "qwen3-30b-a3b", 48, 8
@@ -82,6 +95,22 @@ def _routing_free() -> None:
     # Both decode kernels' launchers (16-bit and fp8 weights; uint4 ones).
     decode._launch = constant(decode._launch)
     moe_decode._launch = constant(moe_decode._launch)
+
+
+def _w4a16_on_tensor_cores() -> None:
+    _routing_by_ids()
+    real_gemm = marlin_utils.marlin_gemm
+
+    def gemm(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if a.shape[0] <= MMA_GEMV_MAX_M:
+            kwargs["config"] = default_mma_gemv_config()
+        return real_gemm(a, *args, **kwargs)
+
+    marlin_utils.marlin_gemm = gemm  # type: ignore[assignment]
+    real_moe: Any = fused_marlin_moe.marlin_moe_decode
+    fused_marlin_moe.marlin_moe_decode = (  # type: ignore[assignment]
+        lambda *args: real_moe(*args, default_mma_moe_decode_config())
+    )
 
 
 def _qk_norm_rope_apart() -> None:
@@ -114,6 +143,7 @@ VARIANTS: dict[str, tuple[Callable[[], None], ...]] = {
     "routing free": (_routing_free,),
     "routing free, no split combine": (_routing_free, _no_split_combine),
     "routing free, one kernel more": (_routing_free, _one_kernel_more),
+    "W4A16 on tensor cores": (_w4a16_on_tensor_cores,),
 }
 
 
