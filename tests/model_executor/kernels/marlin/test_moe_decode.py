@@ -29,6 +29,7 @@ from vllm.model_executor.kernels.marlin.moe_decode import (
     marlin_moe_decode_routed_reference,
 )
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    MmaMoeDecodeConfig,
     default_mma_moe_decode_config,
 )
 
@@ -177,16 +178,27 @@ def test_w4a8_packing_matches_reference(device, tokens, hidden, config):
     assert bool(torch.isnan(act[untouched]).all())
 
 
-def test_strided_inputs_and_scratch(device):
+def _needs_cuda_for(config, device):
+    if isinstance(config, MmaMoeDecodeConfig) and device.type != "cuda":
+        pytest.skip("the tensor-core kernels run on NVIDIA GPUs only")
+
+
+BOTH_KERNELS = [CPU_CONFIG, default_mma_moe_decode_config()]
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("config", BOTH_KERNELS, ids=str)
+def test_strided_inputs_and_scratch(device, config, ids_dtype):
     """x, topk_ids, topk_weights, act and out as row slices of wider
     buffers: each is read and written through its own row stride."""
+    _needs_cuda_for(config, device)
     tokens, hidden, inter, experts, topk = 3, 256, 256, 4, 2
     w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.float16, device)
     gen = torch.Generator().manual_seed(4)
     wide = functools.partial(torch.zeros, device=device)
     x = wide(tokens, hidden + 64, dtype=torch.float16)
     x[:, :hidden] = torch.randn(tokens, hidden, generator=gen).half().to(device)
-    ids = wide(tokens, topk + 3, dtype=torch.int32)
+    ids = wide(tokens, topk + 3, dtype=ids_dtype)
     ids[:, :topk] = _ids(tokens, topk, experts, gen).to(device)
     tw = wide(tokens, topk + 1)
     tw[:, :topk] = torch.rand(tokens, topk, generator=gen).to(device)
@@ -195,7 +207,7 @@ def test_strided_inputs_and_scratch(device):
     ref = torch.empty(tokens, hidden, dtype=torch.float16, device=device)
     args = (x[:, :hidden], ids[:, :topk], tw[:, :topk], w13, s13, w2, s2, None,
             "silu", 128)  # fmt: skip
-    marlin_moe_decode(*args, act[:, :inter], out[:, :hidden], CPU_CONFIG)
+    marlin_moe_decode(*args, act[:, :inter], out[:, :hidden], config)
     marlin_moe_decode_reference(
         x[:, :hidden].contiguous(), ids[:, :topk].contiguous(),
         tw[:, :topk].contiguous(), *args[3:], act[:, :inter], ref,
@@ -204,7 +216,9 @@ def test_strided_inputs_and_scratch(device):
     assert bool((act[:, inter:] == 0).all()) and bool(out[:, hidden:].isnan().all())
 
 
-def test_token_without_local_routes_gets_zeros(device):
+@pytest.mark.parametrize("config", BOTH_KERNELS, ids=str)
+def test_token_without_local_routes_gets_zeros(device, config):
+    _needs_cuda_for(config, device)
     gen = torch.Generator().manual_seed(1)
     w13, s13 = _pack(torch.randn(2, 256, 128, generator=gen), torch.float16)
     w2, s2 = _pack(torch.randn(2, 128, 128, generator=gen), torch.float16)
@@ -215,9 +229,7 @@ def test_token_without_local_routes_gets_zeros(device):
     )
     out = torch.full((1, 128), POISON, dtype=torch.float16, device=device)
     act = torch.full((2, 128), POISON, dtype=torch.float16, device=device)
-    marlin_moe_decode(
-        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out, CPU_CONFIG
-    )
+    marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out, config)
     assert bool((out == 0).all())
 
 

@@ -26,7 +26,10 @@ from tests.model_executor.kernels.marlin.test_moe_decode import (
     _run,
     _weights,
 )
-from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    marlin_moe_decode,
+    marlin_moe_decode_routed,
+)
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     _down_sum_mma_kernel,
@@ -41,6 +44,8 @@ CONFIGS = [
     default_mma_moe_decode_config(),
     MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1),
     MmaMoeDecodeConfig(4, 2, 2, 2, 1, 2),
+    # GEMM2's programs of 256 columns: the second one partial at hidden 384.
+    MmaMoeDecodeConfig(1, 1, 1, 16, 8, 1),
 ]
 
 
@@ -121,7 +126,8 @@ def compile_kernels() -> None:
             ab = "f16" if fp16 else "bf16"
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
             before, _, after = _sass(compiled.asm["cubin"]).partition("ACQBULK")
-            loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
+            loads = [before.count("LDG"), before.count("LDG.E.128")]
+            loads.append(after.count("LDG.E.128"))
             print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))
 
 
@@ -129,15 +135,16 @@ def test_compiles_for_sm90_without_a_gpu():
     """GEMM1 (one K step of 2 row tiles a warp in its loop): 24 MMAs, and
     the PDL wait before any load (the routing is the previous kernel's).
     GEMM2 (one tile a warp, the first route peeled): 2 x 16 MMAs, and the
-    first route's words of rows g and g + 8 loaded before the wait."""
+    first route's words of rows g and g + 8 loaded before the wait (with
+    the routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 4
-    for name, mmas, (before_wait, after_wait) in builds:
+    for name, mmas, (loads_before, words_before, words_after) in builds:
         if name == "_gated_mma_kernel":
-            assert (mmas, before_wait) == (24, 0)
+            assert (mmas, loads_before) == (24, 0)
         else:
-            assert (mmas, before_wait) == (32, 2)
-        assert after_wait > 0
+            assert (mmas, words_before) == (32, 2)
+        assert words_after > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -146,9 +153,10 @@ def test_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7])
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_matches_reference(device, config, tokens, topk, activation, dtype):
-    # hidden 384: 3 K steps of GEMM1 over 4 or 2 warps; inter 256: 2 K
-    # steps of GEMM2 and 16 / 32 gate-up columns a program; top-3 and top-1
-    # leave GEMM2's route slices idle in some turns.
+    # hidden 384: 3 K steps of GEMM1 over 4 or 2 warps, and a partial
+    # GEMM2 program at 256 columns; inter 256: 2 K steps of GEMM2 and 16 /
+    # 32 gate-up columns a program; top-3 and top-1 leave GEMM2's route
+    # slices idle in some turns.
     _cuda(device)
     out, ref, act, ids, _ = _run(
         tokens, 384, 256, 6, topk, dtype, device, activation, config=config
@@ -180,6 +188,7 @@ def test_bad_inputs_raise(device):
     act = torch.empty(topk, inter, dtype=x.dtype, device=device)
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
     marlin = _weights(experts, hidden, inter, x.dtype, device)
+    w13, s13, w2, s2 = marlin
     w4a8 = _weights(experts, hidden, inter, x.dtype, device, w4a8=True)
 
     def call(weights=marlin, x=x, config=CONFIGS[0]):
@@ -189,11 +198,23 @@ def test_bad_inputs_raise(device):
 
     with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig takes"):
         call(w4a8)
-    with pytest.raises(ValueError, match="config: k_split must be a power of two"):
-        call(config=MmaMoeDecodeConfig(1, 1, 3, 1, 1, 1))
+    with pytest.raises(ValueError, match="config: gated_k_split must be a power"):
+        call(config=MmaMoeDecodeConfig(1, 1, 3, 1, 1, 1))  # gated_k_split
+    with pytest.raises(ValueError, match="config: down_route_split must be a power"):
+        call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 3))
+    with pytest.raises(ValueError, match="config: gated_tiles_per_warp must divide"):
+        call(config=MmaMoeDecodeConfig(1, 2, 1, 1, 1, 1))
     wide = torch.zeros(1, hidden + 8, dtype=x.dtype, device=device)
     with pytest.raises(ValueError, match="x: expected 16-byte aligned rows"):
         call(x=wide[:, 1 : hidden + 1])
+    rows = torch.empty(topk, inter + 4, dtype=x.dtype, device=device)[:, :inter]
+    with pytest.raises(ValueError, match="act: expected 16-byte aligned rows"):
+        marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, rows,
+                          out, CONFIGS[0])  # fmt: skip
+    logits = torch.zeros(1, experts, dtype=x.dtype, device=device)
+    with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig routes by"):
+        marlin_moe_decode_routed(x, logits, topk, True, w13, s13, w2, s2, None,
+                                 "silu", 128, act, out, CONFIGS[0])  # fmt: skip
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig runs"):
             call()

@@ -72,15 +72,16 @@ def default_mma_gemv_config() -> MmaGemvConfig:
     return MmaGemvConfig(2, 2, 4)
 
 
-def check_mma_gemv_config(cfg: MmaGemvConfig) -> None:
-    """Errors naming ``config`` unless the kernel takes it."""
-    for name in ("row_tiles", "tiles_per_warp", "k_split"):
-        value = getattr(cfg, name)
+def check_warp_tiles(config: object, names: tuple[str, str, str]) -> None:
+    """Errors naming ``config`` unless its fields ``names`` (row tiles per
+    program, of them per warp, warp slices) make a launchable program."""
+    tiles, per_warp, slices = (getattr(config, name) for name in names)
+    for name, value in zip(names, (tiles, per_warp, slices), strict=True):
         if value < 1 or value & (value - 1):
-            raise ValueError(f"config: {name} must be a power of two: {cfg}")
-    if cfg.row_tiles % cfg.tiles_per_warp or cfg.num_warps > 16:
+            raise ValueError(f"config: {name} must be a power of two: {config}")
+    if tiles % per_warp or tiles // per_warp * slices > 16:
         raise ValueError(
-            f"config: tiles_per_warp must divide row_tiles, in at most 16 warps: {cfg}"
+            f"config: {names[1]} must divide {names[0]}, in at most 16 warps: {config}"
         )
 
 
@@ -382,7 +383,7 @@ def launch_mma_gemv(
         raise ValueError(
             f"a: at most {MMA_GEMV_MAX_M} rows for an MmaGemvConfig, got {m}"
         )
-    check_mma_gemv_config(cfg)
+    check_warp_tiles(cfg, ("row_tiles", "tiles_per_warp", "k_split"))
     # Every thread reads 16-byte runs of A's rows and of the weights.
     if (m > 1 and a.stride(0) % 8) or a.data_ptr() % 16:
         raise ValueError(

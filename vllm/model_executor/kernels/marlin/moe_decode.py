@@ -413,11 +413,16 @@ def marlin_moe_decode_routed(
     group_size: int,
     act: torch.Tensor,
     out: torch.Tensor,
-    config: MarlinDecodeConfig | None = None,
+    config: MarlinDecodeConfig | MmaMoeDecodeConfig | None = None,
 ) -> torch.Tensor:
     """:func:`marlin_moe_decode` of the softmax top-``topk`` routing of the
     router's ``logits`` [T, E] (16-bit), which both kernels compute
     themselves (:func:`~.common.topk_softmax.top_routes`)."""
+    if isinstance(config, MmaMoeDecodeConfig):
+        raise ValueError(
+            "config: an MmaMoeDecodeConfig routes by ids (marlin_moe_decode), "
+            "not from the router's logits"
+        )
     ids_name = "w13" if expert_map is None else "expert_map"
     check_router_logits(
         logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device, ids_name

@@ -43,11 +43,7 @@ from vllm.model_executor.kernels.common.checks import arg_error
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.marlin.config import TILE_K
-from vllm.model_executor.kernels.marlin.gemv_mma import (
-    MmaGemvConfig,
-    check_mma_gemv_config,
-    mma_rows,
-)
+from vllm.model_executor.kernels.marlin.gemv_mma import check_warp_tiles, mma_rows
 
 _TILE_K = gl.constexpr(TILE_K)
 
@@ -84,12 +80,11 @@ def _wait():
 def _local_expert(ids_ptr, map_ptr, num_ids, num_local, HAS_MAP: gl.constexpr):
     """The local expert of the route whose id ``ids_ptr`` points at, or -1:
     ids outside [0, num_ids) and, under the map, remote experts."""
-    route_id = gl.load(ids_ptr).to(gl.int32)
+    route_id = gl.load(ids_ptr)  # int32 or int64: compared before narrowing
     valid = (route_id >= 0) & (route_id < num_ids)
-    expert = route_id
+    expert = gl.where(valid, route_id, 0).to(gl.int32)
     if HAS_MAP:
-        safe = gl.minimum(gl.maximum(route_id, 0), num_ids - 1)
-        expert = gl.load(map_ptr + safe).to(gl.int32)
+        expert = gl.load(map_ptr + expert).to(gl.int32)
     return gl.where(valid & (expert >= 0) & (expert < num_local), expert, -1)
 
 
@@ -211,8 +206,9 @@ def _route_sums(
         ids_ptr + token * stride_ids + slot, map_ptr, num_ids, num_local, HAS_MAP
     )
     local = in_range & (expert >= 0)
-    # Routes without a local expert read expert 0's rows and are dropped.
-    expert_64 = gl.where(local, expert, 0).to(gl.int64)[:, None, :]
+    # Routes without a local expert read expert 0's rows and are dropped; a
+    # slice past topk repeats route topk - 1 (its rows, likely in cache).
+    expert_64 = gl.where(expert >= 0, expert, 0).to(gl.int64)[:, None, :]
     route = token * topk + slot
     act_row = (act_ptr + route * stride_act).to(gl.pointer_type(gl.int32), bitcast=True)
     lo, _, hi, _ = mma_rows(
@@ -342,11 +338,11 @@ def launch_mma_moe_decode(
             f"config: an MmaMoeDecodeConfig takes MarlinExperts' int32 weights, "
             f"got {w13.dtype} w13"
         )
-    for tiles, per_warp, split in (
-        (config.gated_row_tiles, config.gated_tiles_per_warp, config.gated_k_split),
-        (config.down_row_tiles, config.down_tiles_per_warp, config.down_route_split),
+    for names in (
+        ("gated_row_tiles", "gated_tiles_per_warp", "gated_k_split"),
+        ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
     ):
-        check_mma_gemv_config(MmaGemvConfig(tiles, per_warp, split))
+        check_warp_tiles(config, names)
     for name, t in (("x", x), ("act", act), ("w13", w13), ("w2", w2)):
         _check_aligned(name, t)
     cap = capability(x.device)
