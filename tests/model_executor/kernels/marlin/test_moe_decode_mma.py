@@ -9,6 +9,7 @@ kernels run on NVIDIA GPUs only (CPU runs check their build for sm_90 and
 the argument errors).
 """
 
+import itertools
 import json
 from typing import Any
 
@@ -55,64 +56,44 @@ def _cuda(device):
 
 
 def compile_kernels() -> None:
-    """Both kernels, bf16 and fp16 (run in a process of its own by the test
-    below): the MMAs in the PTX, and the 16-byte loads before and after the
-    PDL wait in the SASS."""
+    """Both kernels, bf16 and fp16, both packings (run in a process of its
+    own by the test below): the MMAs in the PTX, and the loads before and
+    after the PDL wait in the SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = default_mma_moe_decode_config()
-    gated_args = [
-        "x_ptr",
-        "ids_ptr",
-        "map_ptr",
-        "w_ptr",
-        "s_ptr",
-        "act_ptr",
-        "K",
-        "inter",
-        "topk",
-        "num_ids",
-        "num_local",
-        "stride_x",
-        "stride_ids",
-        "stride_act",
-        "stride_we",
-        "stride_wn",
-        "stride_se",
-        "stride_sg",
-    ]
-    down_args = ["act_ptr", "ids_ptr", "map_ptr", "weights_ptr", "w_ptr", "s_ptr",
-                 "out_ptr", "inter", "hidden", "topk", "num_ids", "num_local",
-                 "stride_act", "stride_ids", "stride_weights", "stride_out",
-                 "stride_we", "stride_wn", "stride_se", "stride_sg"]  # fmt: skip
-    for dtype in ("bf16", "fp16"):
+    for dtype, w4a8 in itertools.product(("bf16", "fp16"), (False, True)):
         fp16 = dtype == "fp16"
-        ptr = f"*{dtype}"
-        builds: list[tuple[Any, list[str], list[str], dict[str, object], int]] = [
-            (
-                _gated_mma_kernel,
-                gated_args,
-                [ptr, "*i32", "*i32", "*i32", ptr, ptr] + ["i32"] * 12,
-                {"HAS_MAP": True, "MODE": 1, "ALPHA": 1.702, "LIMIT": 7.0,
-                 "GROUP_SIZE": 128, "ROW_TILES": cfg.gated_row_tiles,
-                 "TILES_PER_WARP": cfg.gated_tiles_per_warp,
-                 "K_SPLIT": cfg.gated_k_split, "FP16": fp16, "PDL": True},
-                cfg.gated_row_tiles // cfg.gated_tiles_per_warp * cfg.gated_k_split,
-            ),
-            (
-                _down_sum_mma_kernel,
-                down_args,
-                [ptr, "*i32", "*i32", "*fp32", "*i32", ptr, ptr] + ["i32"] * 13,
-                {"HAS_MAP": True, "GROUP_SIZE": 128, "ROW_TILES": cfg.down_row_tiles,
-                 "TILES_PER_WARP": cfg.down_tiles_per_warp,
-                 "ROUTE_SPLIT": cfg.down_route_split, "FP16": fp16, "PDL": True},
-                cfg.down_row_tiles // cfg.down_tiles_per_warp * cfg.down_route_split,
-            ),
+        ptr, scale = f"*{dtype}", "*fp32" if w4a8 else f"*{dtype}"
+        common: dict[str, object] = dict(
+            HAS_MAP=True, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=128, FP16=fp16, PDL=True
+        )
+        gated = common | dict(
+            GATE_UP_INTERLEAVED=w4a8, MODE=1, ALPHA=1.702, LIMIT=7.0,
+            ROW_TILES=cfg.gated_row_tiles, TILES_PER_WARP=cfg.gated_tiles_per_warp,
+            K_SPLIT=cfg.gated_k_split,
+        )  # fmt: skip
+        down = common | dict(
+            ROW_TILES=cfg.down_row_tiles, TILES_PER_WARP=cfg.down_tiles_per_warp,
+            ROUTE_SPLIT=cfg.down_route_split,
+        )  # fmt: skip
+        # Pointers by name: routing int32, route weights fp32, scales.
+        types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
+                 "weights_ptr": "*fp32", "s_ptr": scale}  # fmt: skip
+        builds: list[tuple[Any, dict[str, object], int]] = [
+            (_gated_mma_kernel, gated,
+             cfg.gated_row_tiles // cfg.gated_tiles_per_warp * cfg.gated_k_split),
+            (_down_sum_mma_kernel, down,
+             cfg.down_row_tiles // cfg.down_tiles_per_warp * cfg.down_route_split),
         ]  # fmt: skip
-        for kernel, args, types, consts, warps in builds:
-            signature = dict(zip(args, types, strict=True))
+        for kernel, consts, warps in builds:
+            args = [p.name for p in kernel.params if not p.is_constexpr]
+            signature = {
+                name: types.get(name, ptr) if name.endswith("_ptr") else "i32"
+                for name in args
+            }
             signature |= dict.fromkeys(consts, "constexpr")
             aligned = {
                 (i,): [["tt.divisibility", 16]]
@@ -138,7 +119,7 @@ def test_compiles_for_sm90_without_a_gpu():
     first route's words of rows g and g + 8 loaded before the wait (with
     the routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
-    assert len(builds) == 4
+    assert len(builds) == 8
     for name, mmas, (loads_before, words_before, words_after) in builds:
         if name == "_gated_mma_kernel":
             assert (mmas, loads_before) == (24, 0)
@@ -166,6 +147,24 @@ def test_matches_reference(device, config, tokens, topk, activation, dtype):
     assert bool(torch.isnan(act[untouched]).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=str)
+def test_w4a8_packing_matches_reference(device, config, tokens, dtype):
+    """TritonExpertsW4A8's packing: nibbles in column order (the activations
+    paired to match), gate and up rows interleaved, fp32 scales [E, N,
+    groups]."""
+    _cuda(device)
+    expert_map = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
+    out, ref, act, ids, emap = _run(
+        tokens, 384, 256, 3, 3, dtype, device, "swiglu", expert_map, config,
+        w4a8=True,
+    )  # fmt: skip
+    _close(out, ref, TOLERANCE[dtype])
+    untouched = ~_local(ids, 3, emap).flatten().to(device)
+    assert bool(torch.isnan(act[untouched]).all())
+
+
 @pytest.mark.parametrize("group_size", [128, 256])
 @pytest.mark.parametrize("topk", [1, 4])
 def test_expert_map_skips_remote_experts(device, topk, group_size):
@@ -189,15 +188,12 @@ def test_bad_inputs_raise(device):
     out = torch.empty(1, hidden, dtype=x.dtype, device=device)
     marlin = _weights(experts, hidden, inter, x.dtype, device)
     w13, s13, w2, s2 = marlin
-    w4a8 = _weights(experts, hidden, inter, x.dtype, device, w4a8=True)
 
     def call(weights=marlin, x=x, config=CONFIGS[0]):
         w13, s13, w2, s2 = weights
         marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out,
                           config)  # fmt: skip
 
-    with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig takes"):
-        call(w4a8)
     with pytest.raises(ValueError, match="config: gated_k_split must be a power"):
         call(config=MmaMoeDecodeConfig(1, 1, 3, 1, 1, 1))  # gated_k_split
     with pytest.raises(ValueError, match="config: down_route_split must be a power"):

@@ -16,7 +16,9 @@ threads or through shared memory:
   and ``g + 8`` (K columns ``32t .. 32t + 31``; the four lanes of a row read
   64 contiguous bytes);
 - a word's nibbles ``(i, i + 4)`` are columns ``(8c + 2i, 8c + 2i + 1)``
-  (:mod:`.packing`), so one LOP3 of the word shifted into place gives them
+  (:mod:`.packing`; in W4A8's column order ``(8c + i, 8c + i + 4)``, and
+  two PRMTs a word pair the activations the same way), so one LOP3 of the
+  word shifted into place gives them
   as an exact 16-bit pair ``MAGIC + UNIT * q``; each step's sum starts from
   ``-(MAGIC + 8 UNIT)`` times the step's activation sums (8 MMAs with a
   constant A), so the MMAs add up ``UNIT * (q - 8) * x`` without a subtract
@@ -217,13 +219,35 @@ def _step(lo, hi, x, FP16: gl.constexpr):
 
 
 @gluon.jit
-def _load_x(x_rows, step):
-    """The thread's 64 bytes of its A row at K step ``step``: 16 pairs."""
+def _column_order(w0, w1, w2, w3):
+    """A word's 8 activations (pairs of columns 01, 23, 45, 67) as the
+    pairs of columns 04, 15, 26, 37."""
+    asm: gl.constexpr = "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;"
+    p0, p1 = gl.inline_asm_elementwise(
+        asm, "=r,=r,r,r", [w0, w2], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+    )
+    p2, p3 = gl.inline_asm_elementwise(
+        asm, "=r,=r,r,r", [w1, w3], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+    )
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def _load_x(x_rows, step, NIBBLES_IN_ORDER: gl.constexpr):
+    """The thread's 64 bytes of its A row at K step ``step``: 16 pairs, four
+    per packed word in the order its nibble pairs hold the columns. Pair i
+    of a word is columns (2i, 2i + 1) in Marlin's packing; in column order
+    (``NIBBLES_IN_ORDER``: nibble i is column i) it is (i, i + 4)."""
     p = x_rows + step * (_TILE_K // 2)
     x0, x1, x2, x3 = _load_act(p)
     x4, x5, x6, x7 = _load_act(p + 4)
     x8, x9, x10, x11 = _load_act(p + 8)
     x12, x13, x14, x15 = _load_act(p + 12)
+    if NIBBLES_IN_ORDER:
+        x0, x1, x2, x3 = _column_order(x0, x1, x2, x3)
+        x4, x5, x6, x7 = _column_order(x4, x5, x6, x7)
+        x8, x9, x10, x11 = _column_order(x8, x9, x10, x11)
+        x12, x13, x14, x15 = _column_order(x12, x13, x14, x15)
     return (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
 
 
@@ -241,6 +265,7 @@ def mma_rows(
     GROUP_SIZE: gl.constexpr,  # a multiple of 128, or -1 (per channel)
     FP16: gl.constexpr,
     PDL: gl.constexpr,  # wait for the previous kernel after the first words
+    NIBBLES_IN_ORDER: gl.constexpr = False,  # W4A8's packing (see _load_x)
 ):
     """The K loop: fp32 [S, R, 32] x 4, each warp slice's scaled sums of its
     steps; lane (g, t) holds rows g (0, 1) and g + 8 (2, 3) of A rows 2t
@@ -254,7 +279,7 @@ def mma_rows(
             "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
             "=r", [], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
-    x = _load_x(x_rows, step)
+    x = _load_x(x_rows, step, NIBBLES_IN_ORDER)
     acc0 = gl.zeros_like(lo[0], dtype=gl.float32)
     acc1 = acc0
     acc2 = acc0
@@ -264,7 +289,7 @@ def mma_rows(
         nxt = gl.minimum(here + STEP_STRIDE, steps - 1)
         lo_next = _load_words(w_lo + nxt[:, None, :] * _STEP_WORDS)
         hi_next = _load_words(w_hi + nxt[:, None, :] * _STEP_WORDS)
-        x_next = _load_x(x_rows, nxt)
+        x_next = _load_x(x_rows, nxt, NIBBLES_IN_ORDER)
         c0, c1, c2, c3 = _step(lo, hi, x, FP16)
         valid = (here < steps)[:, None, :]
         if GROUP_SIZE > 0:

@@ -1,8 +1,10 @@
 """The uint4 experts of a decode batch on the tensor cores: the two kernels
 of :mod:`.moe_decode` with the K loop of :func:`.gemv_mma.mma_rows`
 (``mma.sync`` on weights unpacked into each lane's fragment) instead of the
-CUDA-core products. MarlinExperts' packing, routing by ids; opt-in through
-an :class:`MmaMoeDecodeConfig` until measured.
+CUDA-core products. Both packings :mod:`.moe_decode` reads (MarlinExperts';
+TritonExpertsW4A8's, its activations paired to its nibbles' column order),
+routing by ids; opt-in through an :class:`MmaMoeDecodeConfig` until
+measured.
 
 At decode each route multiplies one row (its token's hidden state, or its
 activation row), so every lane of a warp loads the same A row: the MMA's 8
@@ -10,8 +12,9 @@ columns are equal, and lanes ``t = 0`` store.
 
 - GEMM1 (:func:`_gated_mma_kernel`): one program per (route, ``8 x
   ROW_TILES`` intermediate columns). A 16-row tile pairs columns: rows ``g``
-  are gate rows, rows ``g + 8`` the matching up rows, so a lane holds both
-  halves of its column and applies the activation in registers. The warps
+  are gate rows, rows ``g + 8`` the matching up rows (after all gate rows,
+  or interleaved with them), so a lane holds both halves of its column and
+  applies the activation in registers. The warps
   split K; the routing is the previous kernel's, read after the PDL wait.
 - GEMM2 with the sum over routes (:func:`_down_sum_mma_kernel`): one
   program per (token, ``16 x ROW_TILES`` output columns); its
@@ -93,8 +96,8 @@ def _gated_mma_kernel(
     x_ptr,
     ids_ptr,
     map_ptr,
-    w_ptr,  # int32 [E, 2I, K // 8]: gate rows, then up rows
-    s_ptr,  # [E, K // GROUP_SIZE, 2I]
+    w_ptr,  # int32 [E, 2I, K // 8]: gate rows then up rows, or interleaved
+    s_ptr,  # [E, K // GROUP_SIZE, 2I] (Marlin) or [E, 2I, K // GROUP_SIZE] (W4A8)
     act_ptr,
     K,
     inter,
@@ -107,8 +110,11 @@ def _gated_mma_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sn,
     stride_sg,
     HAS_MAP: gl.constexpr,
+    GATE_UP_INTERLEAVED: gl.constexpr,  # rows gate 0, up 0, ... (W4A8's w13)
+    NIBBLES_IN_ORDER: gl.constexpr,
     MODE: gl.constexpr,
     ALPHA: gl.constexpr,
     LIMIT: gl.constexpr,
@@ -145,16 +151,23 @@ def _gated_mma_kernel(
         # repeat the last (not stored).
         first_col = gl.program_id(1) * (8 * ROW_TILES) + rt * 8
         col = gl.minimum(first_col + (lane // 4)[:, None, :], inter - 1)
+        if GATE_UP_INTERLEAVED:
+            gate_row = 2 * col
+            up_row = gate_row + 1
+        else:
+            gate_row = col
+            up_row = inter + col
         expert_64 = expert.to(gl.int64)
         w_expert = w_ptr + expert_64 * stride_we + t[:, None, :] * 4
         s_expert = s_ptr + expert_64 * stride_se
         x_row = (x_ptr + token * stride_x).to(gl.pointer_type(gl.int32), bitcast=True)
         gate, _, up, _ = mma_rows(
-            w_expert + col.to(gl.int64) * stride_wn,
-            w_expert + (inter + col).to(gl.int64) * stride_wn,
-            s_expert + col, s_expert + inter + col,
+            w_expert + gate_row.to(gl.int64) * stride_wn,
+            w_expert + up_row.to(gl.int64) * stride_wn,
+            s_expert + gate_row * stride_sn, s_expert + up_row * stride_sn,
             x_row + t * 16 + gl.zeros_like(ks), ks + gl.zeros_like(lane),
             K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, False,
+            NIBBLES_IN_ORDER,
         )  # fmt: skip
         gate = gl.reduce(gate, 0, _add)
         up = gl.reduce(up, 0, _add)
@@ -194,6 +207,7 @@ def _route_sums(
     stride_se,
     stride_sg,
     HAS_MAP: gl.constexpr,
+    NIBBLES_IN_ORDER: gl.constexpr,
     GROUP_SIZE: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
@@ -215,7 +229,7 @@ def _route_sums(
         w_rows_lo + expert_64 * stride_we, w_rows_hi + expert_64 * stride_we,
         s_rows_lo + expert_64 * stride_se, s_rows_hi + expert_64 * stride_se,
         act_row + t * 16, gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
-        GROUP_SIZE, FP16, PDL,
+        GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER,
     )  # fmt: skip
     weight = gl.load(weights_ptr + token * stride_weights + slot)[:, None, :]
     # A select, not a product: act rows of routes without an expert are
@@ -231,7 +245,7 @@ def _down_sum_mma_kernel(
     map_ptr,
     weights_ptr,
     w_ptr,  # int32 [E, H, I // 8]
-    s_ptr,  # [E, I // GROUP_SIZE, H]
+    s_ptr,  # [E, I // GROUP_SIZE, H] (Marlin) or [E, H, I // GROUP_SIZE] (W4A8)
     out_ptr,
     inter,
     hidden,
@@ -245,8 +259,10 @@ def _down_sum_mma_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sn,
     stride_sg,
     HAS_MAP: gl.constexpr,
+    NIBBLES_IN_ORDER: gl.constexpr,
     GROUP_SIZE: gl.constexpr,
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
@@ -273,18 +289,20 @@ def _down_sum_mma_kernel(
     row_lo = gl.minimum(row_lo, hidden - 1)
     w_lo = w_ptr + row_lo.to(gl.int64) * stride_wn + t[:, None, :] * 4
     w_hi = w_ptr + row_hi.to(gl.int64) * stride_wn + t[:, None, :] * 4
+    s_lo = s_ptr + row_lo * stride_sn
+    s_hi = s_ptr + row_hi * stride_sn
     total_lo, total_hi = _route_sums(
-        act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_ptr + row_lo,
-        s_ptr + row_hi, t, rs, token, inter, topk, num_ids, num_local, stride_act,
-        stride_ids, stride_weights, stride_we, stride_se, stride_sg, HAS_MAP,
+        act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_lo, s_hi, t, rs,
+        token, inter, topk, num_ids, num_local, stride_act, stride_ids,
+        stride_weights, stride_we, stride_se, stride_sg, HAS_MAP, NIBBLES_IN_ORDER,
         GROUP_SIZE, FP16, PDL,
     )  # fmt: skip
     for turn in range(1, gl.cdiv(topk, ROUTE_SPLIT)):
         lo, hi = _route_sums(
-            act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_ptr + row_lo,
-            s_ptr + row_hi, t, rs + turn * ROUTE_SPLIT, token, inter, topk, num_ids,
-            num_local, stride_act, stride_ids, stride_weights, stride_we, stride_se,
-            stride_sg, HAS_MAP, GROUP_SIZE, FP16, False,
+            act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_lo, s_hi, t,
+            rs + turn * ROUTE_SPLIT, token, inter, topk, num_ids, num_local,
+            stride_act, stride_ids, stride_weights, stride_we, stride_se, stride_sg,
+            HAS_MAP, NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False,
         )  # fmt: skip
         total_lo += lo
         total_hi += hi
@@ -333,11 +351,6 @@ def launch_mma_moe_decode(
 ) -> None:
     """Both kernels over arguments :mod:`.moe_decode` has checked (shapes,
     dtypes, the group size a multiple of 128 dividing H and I)."""
-    if w13.dtype != torch.int32:
-        raise ValueError(
-            f"config: an MmaMoeDecodeConfig takes MarlinExperts' int32 weights, "
-            f"got {w13.dtype} w13"
-        )
     for names in (
         ("gated_row_tiles", "gated_tiles_per_warp", "gated_k_split"),
         ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
@@ -355,12 +368,18 @@ def launch_mma_moe_decode(
     topk, inter, experts = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
     map_arg = expert_map if expert_map is not None else topk_ids
     launch_pdl, fp16 = pdl(x.device), x.dtype == torch.float16
+    w4a8 = w13.dtype == torch.uint8
+    # Scales per (row, group): [E, groups, N] (Marlin) or [E, N, groups] (W4A8).
+    row_dim, group_dim = (1, 2) if w4a8 else (2, 1)
+    w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # packed words
     grid1 = (tokens * topk, triton.cdiv(inter, 8 * config.gated_row_tiles))
     _gated_mma_kernel[grid1](
         x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
         experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
-        w13.stride(1), w13_scales.stride(0), w13_scales.stride(1),
-        HAS_MAP=expert_map is not None, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+        w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
+        w13_scales.stride(group_dim), HAS_MAP=expert_map is not None,
+        GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
+        ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
         ROW_TILES=config.gated_row_tiles,
         TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
@@ -374,8 +393,8 @@ def launch_mma_moe_decode(
         act, topk_ids, map_arg, topk_weights, w2, w2_scales, out, inter, hidden,
         topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
         topk_weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1),
-        HAS_MAP=expert_map is not None, GROUP_SIZE=group_size,
+        w2_scales.stride(0), w2_scales.stride(row_dim), w2_scales.stride(group_dim),
+        HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
         ROW_TILES=config.down_row_tiles, TILES_PER_WARP=config.down_tiles_per_warp,
         ROUTE_SPLIT=config.down_route_split, FP16=fp16, PDL=launch_pdl,
         num_warps=config.down_row_tiles // config.down_tiles_per_warp
