@@ -244,8 +244,8 @@ def sweep_uint4_tiles(
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
 ) -> dict[str, float]:
-    """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8; for
-    W4A16 the tensor-core kernels' tiles too)."""
+    """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8), the
+    CUDA-core kernels' tiles and the tensor-core kernels'."""
     moe = experts.moe
     if isinstance(experts, MarlinExperts):
         packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
@@ -280,20 +280,19 @@ def sweep_uint4_tiles(
             )  # fmt: skip
 
         steps[str(config)] = step
-    if isinstance(experts, MarlinExperts):  # the tensor-core kernels' tiles
-        for gated_mma, down_mma in itertools.product(
-            ((1, 1, 1), (2, 1, 2), (2, 2, 4), (4, 2, 2), (4, 4, 2), (2, 1, 8)),
-            ((1, 1, 8), (1, 1, 4), (2, 2, 8), (4, 4, 8)),
-        ):
-            mma = MmaMoeDecodeConfig(*gated_mma, *down_mma)
+    for gated_mma, down_mma in itertools.product(  # the tensor-core kernels
+        ((1, 1, 1), (2, 1, 2), (2, 2, 4), (4, 2, 2), (4, 4, 2), (2, 1, 8)),
+        ((1, 1, 8), (1, 1, 4), (2, 2, 8), (4, 4, 8)),
+    ):
+        mma = MmaMoeDecodeConfig(*gated_mma, *down_mma)
 
-            def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
-                marlin_moe_decode(
-                    hidden, ids[it], weights, *packed, None, moe.activation,
-                    group_size, act, out, config,
-                )  # fmt: skip
+        def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
+            marlin_moe_decode(
+                hidden, ids[it], weights, *packed, None, moe.activation, group_size,
+                act, out, config,
+            )  # fmt: skip
 
-            steps[str(mma)] = mma_step
+        steps[str(mma)] = mma_step
     return time_graphs_us(steps, ITERS, repeats=3)
 
 

@@ -20,10 +20,11 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 - ``... no split combine``: attention's split-KV partials never merged.
 - ``... one kernel more``: a trivial kernel launched with PDL after
   attention: what a launch costs in the chain.
-- ``W4A16 on tensor cores`` (``--quantization w4a16``): ``marlin_gemm`` at
-  1-8 rows and the uint4 experts' decode kernels on the tensor-core
-  kernels (``gemv_mma``, ``moe_decode_mma``: routing by ids), against
-  ``routing by ids`` (the same routing on the CUDA-core kernels).
+- ``uint4 on tensor cores`` (``--quantization w4a16`` or ``w4a8``):
+  ``marlin_gemm`` at 1-8 rows (W4A16's dense layers) and the uint4
+  experts' decode kernels on the tensor-core kernels (``gemv_mma``,
+  ``moe_decode_mma``: routing by ids), against ``routing by ids`` (the
+  same routing on the CUDA-core kernels).
 
 The last two keep the constant routing as their reference: their own
 numbers go wrong (without the combine attention returns uninitialized
@@ -65,7 +66,10 @@ from vllm.model_executor.kernels.marlin.moe_decode_mma import (
 )
 from vllm.model_executor.layers import attention
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.fused_moe.experts import fused_marlin_moe
+from vllm.model_executor.layers.fused_moe.experts import (
+    fused_marlin_moe,
+    triton_w4a8_moe,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm.model_executor.layers.quantization.utils import marlin_utils
 from vllm.v1.attention.backends import triton_paged
@@ -97,7 +101,7 @@ def _routing_free() -> None:
     moe_decode._launch = constant(moe_decode._launch)
 
 
-def _w4a16_on_tensor_cores() -> None:
+def _uint4_on_tensor_cores() -> None:
     _routing_by_ids()
     real_gemm = marlin_utils.marlin_gemm
 
@@ -108,9 +112,10 @@ def _w4a16_on_tensor_cores() -> None:
 
     marlin_utils.marlin_gemm = gemm  # type: ignore[assignment]
     real_moe: Any = fused_marlin_moe.marlin_moe_decode
-    fused_marlin_moe.marlin_moe_decode = (  # type: ignore[assignment]
-        lambda *args: real_moe(*args, default_mma_moe_decode_config())
-    )
+    for experts in (fused_marlin_moe, triton_w4a8_moe):
+        experts.marlin_moe_decode = (  # type: ignore[attr-defined]
+            lambda *args: real_moe(*args, default_mma_moe_decode_config())
+        )
 
 
 def _qk_norm_rope_apart() -> None:
@@ -143,7 +148,7 @@ VARIANTS: dict[str, tuple[Callable[[], None], ...]] = {
     "routing free": (_routing_free,),
     "routing free, no split combine": (_routing_free, _no_split_combine),
     "routing free, one kernel more": (_routing_free, _one_kernel_more),
-    "W4A16 on tensor cores": (_w4a16_on_tensor_cores,),
+    "uint4 on tensor cores": (_uint4_on_tensor_cores,),
 }
 
 
