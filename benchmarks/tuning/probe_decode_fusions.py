@@ -22,9 +22,9 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
   attention: what a launch costs in the chain.
 - ``uint4 on tensor cores`` (``--quantization w4a16`` or ``w4a8``):
   ``marlin_gemm`` at 1-8 rows (W4A16's dense layers) and the uint4
-  experts' decode kernels on the tensor-core kernels (``gemv_mma``,
-  ``moe_decode_mma``: routing by ids), against ``routing by ids`` (the
-  same routing on the CUDA-core kernels).
+  experts' decode kernels (routing from the logits, as shipped) on the
+  tensor-core kernels (``gemv_mma``, ``moe_decode_mma``): against
+  ``baseline``, what they would save.
 
 The last two keep the constant routing as their reference: their own
 numbers go wrong (without the combine attention returns uninitialized
@@ -102,7 +102,6 @@ def _routing_free() -> None:
 
 
 def _uint4_on_tensor_cores() -> None:
-    _routing_by_ids()
     real_gemm = marlin_utils.marlin_gemm
 
     def gemm(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -111,11 +110,11 @@ def _uint4_on_tensor_cores() -> None:
         return real_gemm(a, *args, **kwargs)
 
     marlin_utils.marlin_gemm = gemm  # type: ignore[assignment]
-    real_moe: Any = fused_marlin_moe.marlin_moe_decode
+    mma = default_mma_moe_decode_config()
     for experts in (fused_marlin_moe, triton_w4a8_moe):
-        experts.marlin_moe_decode = (  # type: ignore[attr-defined]
-            lambda *args: real_moe(*args, default_mma_moe_decode_config())
-        )
+        for name in ("marlin_moe_decode", "marlin_moe_decode_routed"):
+            real: Any = getattr(experts, name)
+            setattr(experts, name, lambda *args, real=real: real(*args, mma))
 
 
 def _qk_norm_rope_apart() -> None:

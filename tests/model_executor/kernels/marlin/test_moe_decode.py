@@ -365,17 +365,19 @@ def _run_routed(tokens, hidden, inter, experts, topk, dtype, device, renormalize
     return out, ref, act, logits
 
 
+@pytest.mark.parametrize("config", BOTH_KERNELS, ids=str)
 @pytest.mark.parametrize("w4a8", [False, True], ids=["marlin", "w4a8"])
 @pytest.mark.parametrize("mapped", [False, True])
-def test_routed_matches_reference(device, w4a8, mapped):
+def test_routed_matches_reference(device, w4a8, mapped, config):
     """Routing from the logits in both kernels: the reference's routing
     (softmax top-k, renormalized or not), local experts only under a map
     (their act rows written, the others' left poisoned)."""
+    _needs_cuda_for(config, device)
     expert_map = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32) if mapped else None
     for renormalize in (True, False):
         out, ref, act, logits = _run_routed(
             2, 256, 128, 3, 3, torch.float16, device, renormalize, expert_map,
-            CPU_CONFIG, w4a8,
+            config, w4a8,
         )  # fmt: skip
         _close(out, ref, 2e-3)
         _, ids = top_routes_reference(logits, 3, renormalize)
@@ -405,8 +407,9 @@ def test_routed_bad_inputs_are_named(device):
 
 
 @pytest.mark.gpu
-def test_gpu_routed_graph_replay_with_new_logits():
-    """Model sizes, bf16, the shipped config, new logits each replay."""
+@pytest.mark.parametrize("config", [None, default_mma_moe_decode_config()], ids=str)
+def test_gpu_routed_graph_replay_with_new_logits(config):
+    """Model sizes, bf16, new logits each replay."""
     dev = torch.device("cuda")
     tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8
     w13, s13, w2, s2 = _weights(experts, hidden, inter, torch.bfloat16, dev, seed=4)
@@ -417,11 +420,11 @@ def test_gpu_routed_graph_replay_with_new_logits():
     args = (x, logits, topk, True, w13, s13, w2, s2, None, "silu", 128, act)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        marlin_moe_decode_routed(*args, out)  # compile outside capture
+        marlin_moe_decode_routed(*args, out, config)  # compile outside capture
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        marlin_moe_decode_routed(*args, out)
+        marlin_moe_decode_routed(*args, out, config)
     for seed in range(2):
         gen = torch.Generator().manual_seed(seed)
         logits.copy_(_distinct_logits(tokens, experts, gen))

@@ -25,12 +25,10 @@ from tests.model_executor.kernels.marlin.test_moe_decode import (
     _close,
     _local,
     _run,
+    _run_routed,
     _weights,
 )
-from vllm.model_executor.kernels.marlin.moe_decode import (
-    marlin_moe_decode,
-    marlin_moe_decode_routed,
-)
+from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     _down_sum_mma_kernel,
@@ -56,20 +54,23 @@ def _cuda(device):
 
 
 def compile_kernels() -> None:
-    """Both kernels, bf16 and fp16, both packings (run in a process of its
-    own by the test below): the MMAs in the PTX, and the loads before and
-    after the PDL wait in the SASS."""
+    """Both kernels, bf16 and fp16, both packings, routing by ids and from
+    logits (run in a process of its own by the test below): the MMAs in the
+    PTX, and the loads before and after the PDL wait in the SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = default_mma_moe_decode_config()
-    for dtype, w4a8 in itertools.product(("bf16", "fp16"), (False, True)):
+    for dtype, w4a8, routed in itertools.product(
+        ("bf16", "fp16"), (False, True), (False, True)
+    ):
         fp16 = dtype == "fp16"
         ptr, scale = f"*{dtype}", "*fp32" if w4a8 else f"*{dtype}"
         common: dict[str, object] = dict(
-            HAS_MAP=True, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=128, FP16=fp16, PDL=True
-        )
+            HAS_MAP=True, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=128, FP16=fp16, PDL=True,
+            ROUTED=routed, BLOCK_E=128,
+        )  # fmt: skip
         gated = common | dict(
             GATE_UP_INTERLEAVED=w4a8, MODE=1, ALPHA=1.702, LIMIT=7.0,
             ROW_TILES=cfg.gated_row_tiles, TILES_PER_WARP=cfg.gated_tiles_per_warp,
@@ -77,7 +78,7 @@ def compile_kernels() -> None:
         )  # fmt: skip
         down = common | dict(
             ROW_TILES=cfg.down_row_tiles, TILES_PER_WARP=cfg.down_tiles_per_warp,
-            ROUTE_SPLIT=cfg.down_route_split,
+            ROUTE_SPLIT=cfg.down_route_split, RENORMALIZE=True, BLOCK_R=8,
         )  # fmt: skip
         # Pointers by name: routing int32, route weights fp32, scales.
         types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
@@ -119,7 +120,7 @@ def test_compiles_for_sm90_without_a_gpu():
     first route's words of rows g and g + 8 loaded before the wait (with
     the routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
-    assert len(builds) == 8
+    assert len(builds) == 16
     for name, mmas, (loads_before, words_before, words_after) in builds:
         if name == "_gated_mma_kernel":
             assert (mmas, loads_before) == (24, 0)
@@ -207,13 +208,24 @@ def test_bad_inputs_raise(device):
     with pytest.raises(ValueError, match="act: expected 16-byte aligned rows"):
         marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, rows,
                           out, CONFIGS[0])  # fmt: skip
-    logits = torch.zeros(1, experts, dtype=x.dtype, device=device)
-    with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig routes by"):
-        marlin_moe_decode_routed(x, logits, topk, True, w13, s13, w2, s2, None,
-                                 "silu", 128, act, out, CONFIGS[0])  # fmt: skip
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig runs"):
             call()
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("topk", [1, 3, 8])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_routed_matches_reference(device, config, topk, renormalize):
+    """Routing from the logits in both kernels: GEMM1 routes each of its
+    route's rounds in every warp, GEMM2 the token's routes once and hands
+    each warp slice its own per turn."""
+    _cuda(device)
+    out, ref, act, _ = _run_routed(
+        3, 384, 256, 12, topk, torch.bfloat16, device, renormalize, config=config
+    )
+    _close(out, ref, TOLERANCE[torch.bfloat16])
+    assert not bool(torch.isnan(act).any())  # every route local: all written
 
 
 @pytest.mark.gpu

@@ -77,16 +77,28 @@ def route_token(
 # top_routes' keys: a 16-bit logit in fp32 leaves the low 13 bits zero, so
 # they hold the expert id (inverted: ties go to the lower id).
 TOP_ROUTES_MAX_EXPERTS = 1 << 10
-_ID_MASK: tl.constexpr = tl.constexpr(TOP_ROUTES_MAX_EXPERTS - 1)
-_LOGIT_MASK: tl.constexpr = tl.constexpr(-TOP_ROUTES_MAX_EXPERTS)  # ~_ID_MASK
-_TAKEN: tl.constexpr = tl.constexpr(-(2**31) + 1)  # below every key
+ROUTE_ID_MASK: tl.constexpr = tl.constexpr(TOP_ROUTES_MAX_EXPERTS - 1)
+ROUTE_LOGIT_MASK: tl.constexpr = tl.constexpr(-TOP_ROUTES_MAX_EXPERTS)  # ~ROUTE_ID_MASK
+ROUTE_TAKEN: tl.constexpr = tl.constexpr(-(2**31) + 1)  # below every key
 
 
 @triton.jit
-def _key_logit(key):
+def route_keys(x, e):
+    """:func:`top_routes`' int32 key of each expert ``e``: its fp32 logit
+    ``x`` (a 16-bit value, NaN as -inf) in the high bits, its id inverted
+    in the low ones (ties go to the lower id)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits)  # -0.0 ties with 0.0
+    # Signed order of the keys is the logits' order: flip negatives' magnitude.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) & ROUTE_LOGIT_MASK
+    return key | (ROUTE_ID_MASK - e)
+
+
+@triton.jit
+def route_key_logit(key):
     """The fp32 logit of a :func:`top_routes` key (its id bits cleared)."""
-    high = key & _LOGIT_MASK
-    bits = tl.where(high < 0, (high ^ 0x7FFFFFFF) & _LOGIT_MASK, high)
+    high = key & ROUTE_LOGIT_MASK
+    bits = tl.where(high < 0, (high ^ 0x7FFFFFFF) & ROUTE_LOGIT_MASK, high)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -109,20 +121,16 @@ def top_routes(
     e = tl.arange(0, BLOCK_E)
     x = tl.load(row + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits)  # -0.0 ties with 0.0
-    # Signed order of the keys is the logits' order: flip negatives' magnitude.
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) & _LOGIT_MASK
-    key = key | (_ID_MASK - e)
+    key = route_keys(x, e)
     slots = tl.arange(0, BLOCK_R)
     ids = tl.zeros([BLOCK_R], dtype=tl.int32)
     top = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     for i in range(topk):
         best = tl.max(key, 0)
-        key = tl.where(key == best, _TAKEN, key)
-        ids = tl.where(slots == i, _ID_MASK - (best & _ID_MASK), ids)
+        key = tl.where(key == best, ROUTE_TAKEN, key)
+        ids = tl.where(slots == i, ROUTE_ID_MASK - (best & ROUTE_ID_MASK), ids)
         if WEIGHTS:
-            top = tl.where(slots == i, _key_logit(best), top)
+            top = tl.where(slots == i, route_key_logit(best), top)
     weights = tl.zeros([BLOCK_R], dtype=tl.float32)
     if WEIGHTS:
         largest = tl.max(x, 0)

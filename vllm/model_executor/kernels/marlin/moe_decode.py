@@ -381,19 +381,11 @@ def marlin_moe_decode(
     [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
     [>= T * topk, I] is scratch. Returns ``out``. An
     :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels
-    (Marlin's packing; not a default until measured)."""
+    (not a default until measured)."""
     _check_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
     _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
-    if isinstance(config, MmaMoeDecodeConfig):
-        if x.shape[0]:
-            launch_mma_moe_decode(
-                x, topk_ids, topk_weights, w13, w13_scales, w2, w2_scales,
-                expert_map, _num_ids(w13, expert_map), activation, group_size, act,
-                out, config,
-            )  # fmt: skip
-        return out
     routing = DecodeRouting.by_ids(topk_ids, topk_weights)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
                    activation, group_size, act, out, config)  # fmt: skip
@@ -418,11 +410,6 @@ def marlin_moe_decode_routed(
     """:func:`marlin_moe_decode` of the softmax top-``topk`` routing of the
     router's ``logits`` [T, E] (16-bit), which both kernels compute
     themselves (:func:`~.common.topk_softmax.top_routes`)."""
-    if isinstance(config, MmaMoeDecodeConfig):
-        raise ValueError(
-            "config: an MmaMoeDecodeConfig routes by ids (marlin_moe_decode), "
-            "not from the router's logits"
-        )
     ids_name = "w13" if expert_map is None else "expert_map"
     check_router_logits(
         logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device, ids_name
@@ -447,8 +434,15 @@ def _launch(
     group_size: int,
     act: torch.Tensor,
     out: torch.Tensor,
-    config: MarlinDecodeConfig | None,
+    config: MarlinDecodeConfig | MmaMoeDecodeConfig | None,
 ) -> torch.Tensor:
+    if isinstance(config, MmaMoeDecodeConfig):
+        if x.shape[0]:
+            launch_mma_moe_decode(
+                x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
+                _num_ids(w13, expert_map), activation, group_size, act, out, config,
+            )  # fmt: skip
+        return out
     config = config or default_marlin_decode_config()
     _check_config(config, topk)
     tokens, hidden = x.shape

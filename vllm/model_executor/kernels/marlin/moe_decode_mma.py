@@ -3,8 +3,9 @@ of :mod:`.moe_decode` with the K loop of :func:`.gemv_mma.mma_rows`
 (``mma.sync`` on weights unpacked into each lane's fragment) instead of the
 CUDA-core products. Both packings :mod:`.moe_decode` reads (MarlinExperts';
 TritonExpertsW4A8's, its activations paired to its nibbles' column order),
-routing by ids; opt-in through an :class:`MmaMoeDecodeConfig` until
-measured.
+routing by ids or from the router's logits (each kernel routes the tokens
+itself, as :mod:`.moe_decode`'s do); opt-in through an
+:class:`MmaMoeDecodeConfig` until measured.
 
 At decode each route multiplies one row (its token's hidden state, or its
 activation row), so every lane of a warp loads the same A row: the MMA's 8
@@ -45,6 +46,13 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import pdl
+from vllm.model_executor.kernels.common.topk_softmax import (
+    ROUTE_ID_MASK,
+    ROUTE_TAKEN,
+    DecodeRouting,
+    route_key_logit,
+    route_keys,
+)
 from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.gemv_mma import check_warp_tiles, mma_rows
 
@@ -80,15 +88,71 @@ def _wait():
 
 
 @gluon.jit
-def _local_expert(ids_ptr, map_ptr, num_ids, num_local, HAS_MAP: gl.constexpr):
-    """The local expert of the route whose id ``ids_ptr`` points at, or -1:
-    ids outside [0, num_ids) and, under the map, remote experts."""
-    route_id = gl.load(ids_ptr)  # int32 or int64: compared before narrowing
+def _local_expert(route_id, map_ptr, num_ids, num_local, HAS_MAP: gl.constexpr):
+    """The local expert of a route's id, or -1: ids outside [0, num_ids)
+    and, under the map, remote experts. ``route_id`` int32 or int64 (it is
+    compared before narrowing)."""
     valid = (route_id >= 0) & (route_id < num_ids)
     expert = gl.where(valid, route_id, 0).to(gl.int32)
     if HAS_MAP:
         expert = gl.load(map_ptr + expert).to(gl.int32)
     return gl.where(valid & (expert >= 0) & (expert < num_local), expert, -1)
+
+
+@gluon.jit
+def _router_keys(row, num_ids, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """A token's :func:`~.topk_softmax.top_routes` keys and fp32 logits, [1,
+    BLOCK_E] in the 2-D ``layout`` whose lanes run along its second
+    dimension: every warp holds all experts, so a round's max stays in the
+    warp."""
+    e = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, layout))[None, :]
+    x = gl.load(row + e, mask=e < num_ids, other=float("-inf")).to(gl.float32)
+    x = gl.where(x == x, x, float("-inf"))
+    return route_keys(x, e), x
+
+
+@gluon.jit
+def _routed_id(row, num_ids, slot, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """The expert id of route ``slot`` of the token's logits at ``row``
+    (:func:`~.topk_softmax.route_expert`: ``slot + 1`` rounds)."""
+    keys, _ = _router_keys(row, num_ids, BLOCK_E, layout)
+    best = gl.reduce(keys, 1, _maximum)[:, None]
+    for _ in range(slot):
+        keys = gl.where(keys == best, ROUTE_TAKEN, keys)
+        best = gl.reduce(keys, 1, _maximum)[:, None]
+    return gl.reduce(
+        gl.reduce(ROUTE_ID_MASK - (best & ROUTE_ID_MASK), 1, _maximum), 0, _maximum
+    )
+
+
+@gluon.jit
+def _routes(
+    row,
+    num_ids,
+    topk,
+    RENORMALIZE: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+    BLOCK_R: gl.constexpr,
+    layout: gl.constexpr,
+):
+    """:func:`~.topk_softmax.top_routes` of the token's logits at ``row``:
+    ids and weights [1, BLOCK_R] in ``layout`` (as :func:`_router_keys`)."""
+    keys, x = _router_keys(row, num_ids, BLOCK_E, layout)
+    r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))[None, :]
+    ids = gl.zeros_like(r)
+    top = gl.full(r.shape, float("-inf"), gl.float32, layout)
+    for i in range(topk):
+        best = gl.reduce(keys, 1, _maximum)[:, None]
+        keys = gl.where(keys == best, ROUTE_TAKEN, keys)
+        ids = gl.where(r == i, ROUTE_ID_MASK - (best & ROUTE_ID_MASK), ids)
+        top = gl.where(r == i, route_key_logit(best), top)
+    largest = gl.reduce(x, 1, _maximum)[:, None]
+    weights = gl.exp(top - largest)  # zero past topk
+    if RENORMALIZE:
+        weights = weights / gl.reduce(weights, 1, _add)[:, None]
+    else:
+        weights = weights / gl.reduce(gl.exp(x - largest), 1, _add)[:, None]
+    return ids, weights
 
 
 @gluon.jit
@@ -112,6 +176,8 @@ def _gated_mma_kernel(
     stride_se,
     stride_sn,
     stride_sg,
+    logits_ptr,  # ROUTED: [T, num_ids] 16-bit
+    stride_logits,
     HAS_MAP: gl.constexpr,
     GATE_UP_INTERLEAVED: gl.constexpr,  # rows gate 0, up 0, ... (W4A8's w13)
     NIBBLES_IN_ORDER: gl.constexpr,
@@ -124,23 +190,29 @@ def _gated_mma_kernel(
     K_SPLIT: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
+    ROUTED: gl.constexpr,
+    BLOCK_E: gl.constexpr,
 ):
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, TILES_PER_WARP, 1],
+        [1, 1, 32],
+        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
+        [2, 1, 0],
+    )
+    x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     if PDL:
-        _wait()  # the routing is the previous kernel's
+        _wait()  # the routing (or the router's logits) is the previous kernel's
     route = gl.program_id(0)
     token = route // topk
-    expert = _local_expert(
-        ids_ptr + token * stride_ids + route % topk, map_ptr, num_ids, num_local,
-        HAS_MAP,
-    )  # fmt: skip
+    if ROUTED:
+        route_id = _routed_id(
+            logits_ptr + token * stride_logits, num_ids, route % topk, BLOCK_E,
+            x_layout,
+        )  # fmt: skip
+    else:
+        route_id = gl.load(ids_ptr + token * stride_ids + route % topk)
+    expert = _local_expert(route_id, map_ptr, num_ids, num_local, HAS_MAP)
     if expert >= 0:
-        layout: gl.constexpr = gl.BlockedLayout(
-            [1, TILES_PER_WARP, 1],
-            [1, 1, 32],
-            [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-            [2, 1, 0],
-        )
-        x_layout: gl.constexpr = gl.SliceLayout(1, layout)
         ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]
         rt = gl.arange(
@@ -186,40 +258,29 @@ def _gated_mma_kernel(
 @gluon.jit
 def _route_sums(
     act_ptr,
-    ids_ptr,
-    map_ptr,
-    weights_ptr,
+    expert,  # [S, 1] each slice's local expert this turn, or -1
+    weight,  # [S, 1] its route's weight
+    slot,  # [S, 1] its route (past topk: the last, dropped)
+    in_range,  # [S, 1] slot < topk
     w_rows_lo,  # [1, R, 32] int32 pointers into expert 0, lane t's first word
     w_rows_hi,
     s_rows_lo,  # [1, R, 32] scale pointers into expert 0
     s_rows_hi,
     t,  # [1, 32] the lanes' t
-    slot,  # [S, 1] the slices' routes of this turn
     token,
     inter,
     topk,
-    num_ids,
-    num_local,
     stride_act,
-    stride_ids,
-    stride_weights,
     stride_we,
     stride_se,
     stride_sg,
-    HAS_MAP: gl.constexpr,
     NIBBLES_IN_ORDER: gl.constexpr,
     GROUP_SIZE: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """One turn of GEMM2: each slice's route ``slot`` (past topk: none),
-    its weighted sums of rows g and g + 8 ([S, R, 32] x 2)."""
-    in_range = slot < topk
-    slot = gl.minimum(slot, topk - 1)
-    expert = _local_expert(
-        ids_ptr + token * stride_ids + slot, map_ptr, num_ids, num_local, HAS_MAP
-    )
-    local = in_range & (expert >= 0)
+    """One turn of GEMM2: each slice's weighted sums of rows g and g + 8
+    ([S, R, 32] x 2) for its route of the turn."""
     # Routes without a local expert read expert 0's rows and are dropped; a
     # slice past topk repeats route topk - 1 (its rows, likely in cache).
     expert_64 = gl.where(expert >= 0, expert, 0).to(gl.int64)[:, None, :]
@@ -231,11 +292,44 @@ def _route_sums(
         act_row + t * 16, gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
         GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER,
     )  # fmt: skip
-    weight = gl.load(weights_ptr + token * stride_weights + slot)[:, None, :]
     # A select, not a product: act rows of routes without an expert are
     # never written (they may hold anything, NaN included).
-    keep = local[:, None, :]
+    keep = (in_range & (expert >= 0))[:, None, :]
+    weight = weight[:, None, :]
     return gl.where(keep, lo * weight, 0.0), gl.where(keep, hi * weight, 0.0)
+
+
+@gluon.jit
+def _turn_routes(
+    slot,  # [S, 1] the slices' routes this turn
+    ids_ptr,
+    weights_ptr,
+    map_ptr,
+    route_ids,  # ROUTED: [1, BLOCK_R] the token's routes
+    route_weights,
+    token,
+    topk,
+    num_ids,
+    num_local,
+    stride_ids,
+    stride_weights,
+    HAS_MAP: gl.constexpr,
+    ROUTED: gl.constexpr,
+):
+    """(local expert or -1, weight, clamped slot, slot < topk) of each
+    slice's route ``slot``."""
+    in_range = slot < topk
+    slot = gl.minimum(slot, topk - 1)
+    if ROUTED:
+        r = gl.arange(0, route_ids.shape[1], layout=gl.SliceLayout(0, slot.type.layout))
+        pick = r[None, :] == slot
+        route_id = gl.reduce(gl.where(pick, route_ids, 0), 1, _add)[:, None]
+        weight = gl.reduce(gl.where(pick, route_weights, 0.0), 1, _add)[:, None]
+    else:
+        route_id = gl.load(ids_ptr + token * stride_ids + slot)
+        weight = gl.load(weights_ptr + token * stride_weights + slot)
+    expert = _local_expert(route_id, map_ptr, num_ids, num_local, HAS_MAP)
+    return expert, weight, slot, in_range
 
 
 @gluon.jit
@@ -261,6 +355,8 @@ def _down_sum_mma_kernel(
     stride_se,
     stride_sn,
     stride_sg,
+    logits_ptr,  # ROUTED: [T, num_ids] 16-bit
+    stride_logits,
     HAS_MAP: gl.constexpr,
     NIBBLES_IN_ORDER: gl.constexpr,
     GROUP_SIZE: gl.constexpr,
@@ -269,6 +365,10 @@ def _down_sum_mma_kernel(
     ROUTE_SPLIT: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
+    ROUTED: gl.constexpr,
+    RENORMALIZE: gl.constexpr,
+    BLOCK_E: gl.constexpr,
+    BLOCK_R: gl.constexpr,  # topk rounded up to a power of two
 ):
     token = gl.program_id(0)
     layout: gl.constexpr = gl.BlockedLayout(
@@ -291,18 +391,33 @@ def _down_sum_mma_kernel(
     w_hi = w_ptr + row_hi.to(gl.int64) * stride_wn + t[:, None, :] * 4
     s_lo = s_ptr + row_lo * stride_sn
     s_hi = s_ptr + row_hi * stride_sn
+    # The routing is two launches back: read before the PDL wait (pdl.py).
+    route_ids = gl.zeros([1, BLOCK_R], gl.int32, x_layout)
+    route_weights = gl.zeros([1, BLOCK_R], gl.float32, x_layout)
+    if ROUTED:
+        route_ids, route_weights = _routes(
+            logits_ptr + token * stride_logits, num_ids, topk, RENORMALIZE, BLOCK_E,
+            BLOCK_R, x_layout,
+        )  # fmt: skip
+    expert, weight, slot, in_range = _turn_routes(
+        rs, ids_ptr, weights_ptr, map_ptr, route_ids, route_weights, token, topk,
+        num_ids, num_local, stride_ids, stride_weights, HAS_MAP, ROUTED,
+    )  # fmt: skip
     total_lo, total_hi = _route_sums(
-        act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_lo, s_hi, t, rs,
-        token, inter, topk, num_ids, num_local, stride_act, stride_ids,
-        stride_weights, stride_we, stride_se, stride_sg, HAS_MAP, NIBBLES_IN_ORDER,
+        act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t, token,
+        inter, topk, stride_act, stride_we, stride_se, stride_sg, NIBBLES_IN_ORDER,
         GROUP_SIZE, FP16, PDL,
     )  # fmt: skip
     for turn in range(1, gl.cdiv(topk, ROUTE_SPLIT)):
+        expert, weight, slot, in_range = _turn_routes(
+            rs + turn * ROUTE_SPLIT, ids_ptr, weights_ptr, map_ptr, route_ids,
+            route_weights, token, topk, num_ids, num_local, stride_ids,
+            stride_weights, HAS_MAP, ROUTED,
+        )  # fmt: skip
         lo, hi = _route_sums(
-            act_ptr, ids_ptr, map_ptr, weights_ptr, w_lo, w_hi, s_lo, s_hi, t,
-            rs + turn * ROUTE_SPLIT, token, inter, topk, num_ids, num_local,
-            stride_act, stride_ids, stride_weights, stride_we, stride_se, stride_sg,
-            HAS_MAP, NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False,
+            act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t,
+            token, inter, topk, stride_act, stride_we, stride_se, stride_sg,
+            NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False,
         )  # fmt: skip
         total_lo += lo
         total_hi += hi
@@ -324,6 +439,11 @@ def _add(a, b):
     return a + b
 
 
+@gluon.jit
+def _maximum(a, b):
+    return gl.maximum(a, b)
+
+
 def _check_aligned(name: str, t: torch.Tensor) -> None:
     """16-byte loads of ``t``'s rows: aligned base and row stride."""
     if t.data_ptr() % 16 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16):
@@ -335,8 +455,8 @@ def _check_aligned(name: str, t: torch.Tensor) -> None:
 
 def launch_mma_moe_decode(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk: int,
+    routing: DecodeRouting,
     w13: torch.Tensor,
     w13_scales: torch.Tensor,
     w2: torch.Tensor,
@@ -350,7 +470,8 @@ def launch_mma_moe_decode(
     config: MmaMoeDecodeConfig,
 ) -> None:
     """Both kernels over arguments :mod:`.moe_decode` has checked (shapes,
-    dtypes, the group size a multiple of 128 dividing H and I)."""
+    dtypes, the routing, the group size a multiple of 128 dividing H and
+    I)."""
     for names in (
         ("gated_row_tiles", "gated_tiles_per_warp", "gated_k_split"),
         ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
@@ -365,38 +486,42 @@ def launch_mma_moe_decode(
             f"compute capability 8.0 or later (mma.sync), not on {x.device}"
         )
     tokens, hidden = x.shape
-    topk, inter, experts = topk_ids.shape[1], w13.shape[1] // 2, w13.shape[0]
-    map_arg = expert_map if expert_map is not None else topk_ids
+    inter, experts = w13.shape[1] // 2, w13.shape[0]
+    ids, weights, logits = routing.ids, routing.weights, routing.logits
+    map_arg = expert_map if expert_map is not None else ids
     launch_pdl, fp16 = pdl(x.device), x.dtype == torch.float16
     w4a8 = w13.dtype == torch.uint8
     # Scales per (row, group): [E, groups, N] (Marlin) or [E, N, groups] (W4A8).
     row_dim, group_dim = (1, 2) if w4a8 else (2, 1)
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # packed words
+    block_e = triton.next_power_of_2(num_ids)
     grid1 = (tokens * topk, triton.cdiv(inter, 8 * config.gated_row_tiles))
     _gated_mma_kernel[grid1](
-        x, topk_ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
-        experts, x.stride(0), topk_ids.stride(0), act.stride(0), w13.stride(0),
+        x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
+        experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
         w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
-        w13_scales.stride(group_dim), HAS_MAP=expert_map is not None,
-        GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
-        ALPHA=SWIGLU_ALPHA,
-        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
-        ROW_TILES=config.gated_row_tiles,
+        w13_scales.stride(group_dim), logits, logits.stride(0),
+        HAS_MAP=expert_map is not None, GATE_UP_INTERLEAVED=w4a8,
+        NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
         TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
-        FP16=fp16, PDL=launch_pdl,
+        FP16=fp16, PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e,
         num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
         * config.gated_k_split,
         launch_pdl=launch_pdl,
     )  # fmt: skip
     grid2 = (tokens, triton.cdiv(hidden, 16 * config.down_row_tiles))
     _down_sum_mma_kernel[grid2](
-        act, topk_ids, map_arg, topk_weights, w2, w2_scales, out, inter, hidden,
-        topk, num_ids, experts, act.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), out.stride(0), w2.stride(0), w2.stride(1),
-        w2_scales.stride(0), w2_scales.stride(row_dim), w2_scales.stride(group_dim),
-        HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
-        ROW_TILES=config.down_row_tiles, TILES_PER_WARP=config.down_tiles_per_warp,
+        act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden, topk,
+        num_ids, experts, act.stride(0), ids.stride(0), weights.stride(0),
+        out.stride(0), w2.stride(0), w2.stride(1), w2_scales.stride(0),
+        w2_scales.stride(row_dim), w2_scales.stride(group_dim), logits,
+        logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
+        GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
+        TILES_PER_WARP=config.down_tiles_per_warp,
         ROUTE_SPLIT=config.down_route_split, FP16=fp16, PDL=launch_pdl,
+        ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
+        BLOCK_R=triton.next_power_of_2(topk),
         num_warps=config.down_row_tiles // config.down_tiles_per_warp
         * config.down_route_split,
         launch_pdl=launch_pdl,
