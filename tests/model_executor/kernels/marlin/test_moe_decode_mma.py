@@ -22,13 +22,18 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import _sass
 from tests.model_executor.kernels.marlin.test_moe_decode import (
+    POISON,
     _close,
     _local,
     _run,
     _run_routed,
     _weights,
 )
-from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
+from vllm.model_executor.kernels.marlin.moe_decode import (
+    marlin_moe_decode,
+    marlin_moe_decode_routed,
+    marlin_moe_decode_routed_reference,
+)
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     _down_sum_mma_kernel,
@@ -226,6 +231,34 @@ def test_routed_matches_reference(device, config, topk, renormalize):
     )
     _close(out, ref, TOLERANCE[torch.bfloat16])
     assert not bool(torch.isnan(act).any())  # every route local: all written
+
+
+@pytest.mark.parametrize("experts", [6, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routed_ties_nan_and_signed_zero(device, dtype, experts):
+    """The Gluon routing against the reference's on equal logits (lower ids
+    first), NaN (last), -0.0 (ties with 0.0), a row of NaN, and rows of few
+    distinct values; 6 experts (fewer than a warp's lanes) and 64."""
+    _cuda(device)
+    gen = torch.Generator().manual_seed(11)
+    w13, s13, w2, s2 = _weights(experts, 256, 128, dtype, device)
+    nan = float("nan")
+    logits = (torch.randint(-2, 3, (6, experts), generator=gen) / 2).to(dtype)
+    logits[0, :6] = torch.tensor([0.0, -0.0, 1.0, 0.0, -1.0, -0.0])
+    logits[1, :6] = torch.tensor([nan, -2.0, -2.0, float("-inf"), -2.0, -3.0])
+    logits[2] = 3.0
+    logits[3] = nan
+    logits = logits.to(device)
+    x = (torch.randn(6, 256, generator=gen) / 4).to(device, dtype)
+    for renormalize in (True, False):
+        act = torch.full((6 * 3, 128), POISON, dtype=dtype, device=device)
+        args = (x, logits, 3, renormalize, w13, s13, w2, s2, None, "silu", 128)
+        out = marlin_moe_decode_routed(*args, act, torch.empty_like(x), CONFIGS[2])
+        ref = marlin_moe_decode_routed_reference(
+            *args, act.clone(), torch.empty_like(x)
+        )
+        rows = [0, 1, 2, 4, 5]  # the NaN row's weights are NaN in both
+        _close(out[rows], ref[rows], TOLERANCE[dtype])
 
 
 @pytest.mark.gpu

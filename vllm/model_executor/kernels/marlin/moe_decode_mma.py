@@ -494,7 +494,10 @@ def launch_mma_moe_decode(
     # Scales per (row, group): [E, groups, N] (Marlin) or [E, N, groups] (W4A8).
     row_dim, group_dim = (1, 2) if w4a8 else (2, 1)
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # packed words
-    block_e = triton.next_power_of_2(num_ids)
+    # Only a routing kernel depends on these: 1 otherwise (no recompiles).
+    routed = routing.routed
+    block_e = triton.next_power_of_2(num_ids) if routed else 1
+    block_r = triton.next_power_of_2(topk) if routed else 1
     grid1 = (tokens * topk, triton.cdiv(inter, 8 * config.gated_row_tiles))
     _gated_mma_kernel[grid1](
         x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
@@ -505,7 +508,7 @@ def launch_mma_moe_decode(
         NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
         TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
-        FP16=fp16, PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e,
+        FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
         num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
         * config.gated_k_split,
         launch_pdl=launch_pdl,
@@ -520,8 +523,8 @@ def launch_mma_moe_decode(
         GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
         TILES_PER_WARP=config.down_tiles_per_warp,
         ROUTE_SPLIT=config.down_route_split, FP16=fp16, PDL=launch_pdl,
-        ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
-        BLOCK_R=triton.next_power_of_2(topk),
+        ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
+        BLOCK_R=block_r,
         num_warps=config.down_row_tiles // config.down_tiles_per_warp
         * config.down_route_split,
         launch_pdl=launch_pdl,
