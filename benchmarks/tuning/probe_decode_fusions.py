@@ -106,7 +106,7 @@ def _uint4_on_tensor_cores() -> None:
 
     def gemm(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if a.shape[0] <= MMA_GEMV_MAX_M:
-            kwargs["config"] = default_mma_gemv_config()
+            kwargs["config"] = default_mma_gemv_config(a.shape[1])
         return real_gemm(a, *args, **kwargs)
 
     marlin_utils.marlin_gemm = gemm  # type: ignore[assignment]

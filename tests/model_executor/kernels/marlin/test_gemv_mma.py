@@ -247,7 +247,7 @@ def test_gpu_model_sizes(shape, m, group_size):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out, config=default_mma_gemv_config(),
+        size_k=k, out=out, config=default_mma_gemv_config(n),
     )  # fmt: skip
     _check(out, exact, _bound(a, scales, group_size, bound))
 
@@ -260,7 +260,7 @@ def test_gpu_cuda_graph_replay_with_new_inputs():
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     gemm = functools.partial(
         marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(dev),
-        group_size=128, size_n=n, size_k=k, out=out, config=default_mma_gemv_config(),
+        group_size=128, size_n=n, size_k=k, out=out, config=default_mma_gemv_config(n),
     )  # fmt: skip
 
     def exact_and_bound():

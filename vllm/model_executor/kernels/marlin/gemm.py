@@ -30,7 +30,13 @@ from vllm.model_executor.kernels.marlin.gemv import (
     gemv_applies,
     launch_gemv,
 )
-from vllm.model_executor.kernels.marlin.gemv_mma import MmaGemvConfig, launch_mma_gemv
+from vllm.model_executor.kernels.marlin.gemv_mma import (
+    MmaGemvConfig,
+    default_mma_gemv_config,
+    launch_mma_gemv,
+    mma_gemv_applies,
+    runs_mma,
+)
 from vllm.model_executor.kernels.marlin.kernels import (
     _marlin_gemm_grouped_kernel,
     _marlin_gemm_kernel,
@@ -143,10 +149,10 @@ def marlin_gemm(
     ``a``'s dtype; ``workspace``: int32 lock counters, all zero, at least
     :func:`marlin_workspace_numel` long. No host sync, no allocation except
     ``out`` when not given. Where :func:`gemv_applies` (or with a
-    :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs, with
-    an :class:`MmaGemvConfig` the tensor-core one of :mod:`.gemv_mma` (up
-    to 8 rows; not a default until measured); both leave the workspace
-    alone.
+    :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs; where
+    :func:`~.gemv_mma.mma_gemv_applies` on NVIDIA GPUs (or with an
+    :class:`MmaGemvConfig`) the tensor-core one of :mod:`.gemv_mma`, up to 8
+    rows; both leave the workspace alone.
     """
     check_marlin_args(
         a,
@@ -161,6 +167,8 @@ def marlin_gemm(
     m = a.shape[0]
     if m == 0:
         return out
+    if config is None and runs_mma(a.device) and mma_gemv_applies(m, size_n, size_k):
+        config = default_mma_gemv_config(size_n)
     if isinstance(config, MmaGemvConfig):
         launch_mma_gemv(a, b_packed, scales, out, group_size, config)
         return out

@@ -69,9 +69,33 @@ class MmaGemvConfig:
         return self.row_tiles // self.tiles_per_warp * self.k_split
 
 
-def default_mma_gemv_config() -> MmaGemvConfig:
-    """Not yet measured: 32 rows per program, each over 4 warps."""
-    return MmaGemvConfig(2, 2, 4)
+def runs_mma(device: torch.device) -> bool:
+    """Whether the tensor-core decode kernels run on ``device``: compiled
+    (not the interpreter) for an NVIDIA GPU with ``mma.sync`` (sm_80+)."""
+    cap = capability(device)
+    return not (torch.version.hip or envs.triton_interpret() or cap is None) and (
+        cap >= (8, 0)
+    )
+
+
+def mma_gemv_applies(m: int, n: int, k: int) -> bool:
+    """Whether ``marlin_gemm`` takes this kernel by default (where
+    :func:`runs_mma`). Measured on the H200 (benchmarks/RESULTS.md, the
+    twenty-fourth session): from 3 rows it beats the tensor-core GEMM 1.4-2.8x
+    and the CUDA-core GEMV; at 1-2 rows it wins on large weights (8192 x
+    8192: 13.1 against 16.3 us at one row) and loses on small ones (2048 x
+    4096: 4.8 against 3.9)."""
+    return 3 <= m <= MMA_GEMV_MAX_M or (m <= 2 and n * k >= 1 << 25)
+
+
+def default_mma_gemv_config(n: int) -> MmaGemvConfig:
+    """One tile a program and warp, K split over ``65536 / N`` warps (a power
+    of two, at most 16): the fastest or within 5-10% of it on 5120 x 2048,
+    2048 x 4096, 8192 x 8192 and 28672 x 4096 at 1-8 rows (H200)."""
+    k_split = 1
+    while k_split < 16 and 2 * k_split * n <= 65536:
+        k_split *= 2
+    return MmaGemvConfig(1, 1, k_split)
 
 
 def check_warp_tiles(config: object, names: tuple[str, str, str]) -> None:
@@ -420,8 +444,7 @@ def launch_mma_gemv(
             f"b_packed: an MmaGemvConfig needs it 16-byte aligned, got "
             f"{b_packed.data_ptr():#x}"
         )
-    cap = capability(a.device)
-    if torch.version.hip or envs.triton_interpret() or cap is None or cap < (8, 0):
+    if not runs_mma(a.device):
         raise ValueError(
             "config: an MmaGemvConfig runs compiled on NVIDIA GPUs of compute "
             f"capability 8.0 or later (mma.sync), not on {a.device}"

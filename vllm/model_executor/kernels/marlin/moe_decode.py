@@ -64,8 +64,10 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
+from vllm.model_executor.kernels.marlin.gemv_mma import runs_mma
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
+    default_mma_moe_decode_config,
     launch_mma_moe_decode,
 )
 from vllm.model_executor.kernels.marlin.packing import dequantize_weights
@@ -380,8 +382,8 @@ def marlin_moe_decode(
     :class:`TritonExpertsW4A8`'s (uint8 w13 [E, 2I, H // 2] interleaved, w2
     [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
     [>= T * topk, I] is scratch. Returns ``out``. An
-    :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels
-    (not a default until measured)."""
+    :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels,
+    the default from 2 tokens on NVIDIA GPUs (sm_80+)."""
     _check_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
     _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
@@ -436,6 +438,8 @@ def _launch(
     out: torch.Tensor,
     config: MarlinDecodeConfig | MmaMoeDecodeConfig | None,
 ) -> torch.Tensor:
+    if config is None and x.shape[0] >= 2 and runs_mma(x.device):
+        config = default_mma_moe_decode_config(x.shape[0])
     if isinstance(config, MmaMoeDecodeConfig):
         if x.shape[0]:
             launch_mma_moe_decode(

@@ -4,8 +4,10 @@ of :mod:`.moe_decode` with the K loop of :func:`.gemv_mma.mma_rows`
 CUDA-core products. Both packings :mod:`.moe_decode` reads (MarlinExperts';
 TritonExpertsW4A8's, its activations paired to its nibbles' column order),
 routing by ids or from the router's logits (each kernel routes the tokens
-itself, as :mod:`.moe_decode`'s do); opt-in through an
-:class:`MmaMoeDecodeConfig` until measured.
+itself, as :mod:`.moe_decode`'s do). :mod:`.moe_decode` takes them by
+default from 2 tokens on NVIDIA GPUs (at one token the CUDA-core kernels
+are faster: 15.4 against 16.7 us; at 2 tokens 19.5 against 28.3, at 4
+28.6 against 51.1, H200).
 
 At decode each route multiplies one row (its token's hidden state, or its
 activation row), so every lane of a warp loads the same A row: the MMA's 8
@@ -36,7 +38,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from vllm import envs
 from vllm.model_executor.kernels.common.activation_quant import (
     MODES,
     SWIGLU_ALPHA,
@@ -44,7 +45,6 @@ from vllm.model_executor.kernels.common.activation_quant import (
     gated_act,
 )
 from vllm.model_executor.kernels.common.checks import arg_error
-from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.topk_softmax import (
     ROUTE_ID_MASK,
@@ -54,7 +54,11 @@ from vllm.model_executor.kernels.common.topk_softmax import (
     route_keys,
 )
 from vllm.model_executor.kernels.marlin.config import TILE_K
-from vllm.model_executor.kernels.marlin.gemv_mma import check_warp_tiles, mma_rows
+from vllm.model_executor.kernels.marlin.gemv_mma import (
+    check_warp_tiles,
+    mma_rows,
+    runs_mma,
+)
 
 _TILE_K = gl.constexpr(TILE_K)
 
@@ -73,10 +77,14 @@ class MmaMoeDecodeConfig:
     down_route_split: int
 
 
-def default_mma_moe_decode_config() -> MmaMoeDecodeConfig:
-    """Not yet measured: GEMM1 2 tiles over 4 warps of K (hidden 2048: 4
-    steps a warp), GEMM2 one tile over 8 warps of routes (top-8: one each)."""
-    return MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8)
+def default_mma_moe_decode_config(tokens: int = 2) -> MmaMoeDecodeConfig:
+    """The fastest of 24 on the H200 (``benchmark_moe_decode --sweep``,
+    Qwen3-30B-A3B's experts, both packings): at 2 tokens GEMM1 2 tiles over
+    4 warps of K, GEMM2 one tile over 8 warps of routes; from 4 tokens 4
+    tiles over 2 and 2 tiles a warp over 8."""
+    if tokens < 4:
+        return MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8)
+    return MmaMoeDecodeConfig(4, 2, 2, 2, 2, 8)
 
 
 @gluon.jit
@@ -479,8 +487,7 @@ def launch_mma_moe_decode(
         check_warp_tiles(config, names)
     for name, t in (("x", x), ("act", act), ("w13", w13), ("w2", w2)):
         _check_aligned(name, t)
-    cap = capability(x.device)
-    if torch.version.hip or envs.triton_interpret() or cap is None or cap < (8, 0):
+    if not runs_mma(x.device):
         raise ValueError(
             "config: an MmaMoeDecodeConfig runs compiled on NVIDIA GPUs of "
             f"compute capability 8.0 or later (mma.sync), not on {x.device}"
