@@ -24,13 +24,15 @@ from vllm.model_executor.kernels.marlin.config import (
 )
 from vllm.model_executor.kernels.marlin.moe_decode import (
     marlin_moe_decode,
-    marlin_moe_decode_reference,
     marlin_moe_decode_routed,
-    marlin_moe_decode_routed_reference,
 )
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     default_mma_moe_decode_config,
+)
+from vllm.model_executor.kernels.marlin.moe_decode_reference import (
+    marlin_moe_decode_reference,
+    marlin_moe_decode_routed_reference,
 )
 
 POISON = float("nan")

@@ -32,13 +32,15 @@ from tests.model_executor.kernels.marlin.test_moe_decode import (
 from vllm.model_executor.kernels.marlin.moe_decode import (
     marlin_moe_decode,
     marlin_moe_decode_routed,
-    marlin_moe_decode_routed_reference,
 )
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     _down_sum_mma_kernel,
     _gated_mma_kernel,
     default_mma_moe_decode_config,
+)
+from vllm.model_executor.kernels.marlin.moe_decode_reference import (
+    marlin_moe_decode_routed_reference,
 )
 
 MODULE = "tests.model_executor.kernels.marlin.test_moe_decode_mma"

@@ -31,7 +31,7 @@ do). A route whose expert id is outside [0, E) or, under ``expert_map``, not
 local adds nothing. The grids depend only on the token count: capturable in
 a CUDA graph. Both kernels launch with programmatic dependent launch
 (:mod:`~.common.pdl`): GEMM2's first weights stream while GEMM1 finishes.
-:func:`marlin_moe_decode_reference` is the plain-PyTorch oracle.
+:mod:`.moe_decode_reference` holds the plain-PyTorch oracle.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from vllm.model_executor.kernels.common.activation_quant import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
     gated_act,
-    gated_act_reference,
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
@@ -55,9 +54,8 @@ from vllm.model_executor.kernels.common.topk_softmax import (
     check_router_logits,
     route_expert,
     top_routes,
-    top_routes_reference,
 )
-from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP, dequantize_w4
+from vllm.model_executor.kernels.grouped_gemm.w4a8 import W4_GROUP
 from vllm.model_executor.kernels.marlin.config import (
     MAX_DOWN_ROWS,
     MarlinDecodeConfig,
@@ -70,7 +68,6 @@ from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     default_mma_moe_decode_config,
     launch_mma_moe_decode,
 )
-from vllm.model_executor.kernels.marlin.packing import dequantize_weights
 from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
 
 
@@ -251,7 +248,7 @@ def _down_sum_kernel(
     )
 
 
-def _check(
+def check_decode_args(
     x: torch.Tensor,
     topk: int,
     w13: torch.Tensor,
@@ -332,7 +329,7 @@ def _check(
         raise arg_error("out", f"{tokens} rows (one per token), got {out.shape[0]}")
 
 
-def _check_routing(
+def check_decode_routing(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> None:
     tokens, device = x.shape[0], x.device
@@ -384,9 +381,9 @@ def marlin_moe_decode(
     [>= T * topk, I] is scratch. Returns ``out``. An
     :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels,
     the default from 2 tokens on NVIDIA GPUs (sm_80+)."""
-    _check_routing(x, topk_ids, topk_weights)
+    check_decode_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
-    _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
+    check_decode_args(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
     routing = DecodeRouting.by_ids(topk_ids, topk_weights)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
@@ -416,7 +413,7 @@ def marlin_moe_decode_routed(
     check_router_logits(
         logits, x.shape[0], topk, _num_ids(w13, expert_map), x.device, ids_name
     )
-    _check(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
+    check_decode_args(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
            group_size, act, out)  # fmt: skip
     routing = DecodeRouting.from_logits(logits, renormalize)
     return _launch(x, topk, routing, w13, w13_scales, w2, w2_scales, expert_map,
@@ -489,73 +486,3 @@ def _launch(
         BLOCK_E=block_e, num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
-
-
-def marlin_moe_decode_reference(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scales: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    activation: str,
-    group_size: int,
-    act: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`marlin_moe_decode` in plain PyTorch (fp32 math on the
-    dequantized weights; ``act`` untouched)."""
-    _check_routing(x, topk_ids, topk_weights)
-    _check(x, topk_ids.shape[1], w13, w13_scales, w2, w2_scales, expert_map,
-           activation, group_size, act, out)  # fmt: skip
-    ids = topk_ids.long()
-    num_ids = len(w13) if expert_map is None else len(expert_map)
-    valid = (ids >= 0) & (ids < num_ids)
-    if expert_map is not None:
-        ids = torch.where(valid, expert_map.long()[ids.clamp(0, num_ids - 1)], -1)
-        valid = ids >= 0
-    result = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    for t, k in valid.nonzero().tolist():
-        e = int(ids[t, k])
-        gate_up = _dequantize(w13[e], w13_scales[e], group_size)
-        if w13.dtype == torch.uint8:  # W4A8's rows: gate 0, up 0, gate 1, ...
-            gate_up = torch.cat([gate_up[0::2], gate_up[1::2]])
-        h = gated_act_reference(activation, gate_up @ x[t].float())
-        h = h.to(x.dtype).float()  # act is stored in the input dtype
-        w_down = _dequantize(w2[e], w2_scales[e], group_size)
-        result[t] += topk_weights[t, k] * (w_down @ h)
-    return out.copy_(result)
-
-
-def _dequantize(
-    packed: torch.Tensor, scales: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """fp32 [N, K] of one expert's weights in either packing."""
-    if packed.dtype == torch.uint8:
-        return dequantize_w4(packed, scales)
-    return dequantize_weights(packed, scales.float(), group_size)
-
-
-def marlin_moe_decode_routed_reference(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    topk: int,
-    renormalize: bool,
-    w13: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scales: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    activation: str,
-    group_size: int,
-    act: torch.Tensor,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`marlin_moe_decode_routed` in plain PyTorch."""
-    weights, ids = top_routes_reference(logits, topk, renormalize)
-    return marlin_moe_decode_reference(
-        x, ids, weights, w13, w13_scales, w2, w2_scales, expert_map, activation,
-        group_size, act, out,
-    )  # fmt: skip
