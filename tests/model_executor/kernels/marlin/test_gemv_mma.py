@@ -226,11 +226,34 @@ def test_bad_arguments_raise(device):
         call(rows, config=MmaGemvConfig(1, 1, 1))
     words = torch.zeros(packed.numel() + 1, dtype=packed.dtype, device=device)
     words = words[1:].view(packed.shape)
-    with pytest.raises(ValueError, match="b_packed: an MmaGemvConfig needs it 16"):
+    with pytest.raises(ValueError, match="b_packed: an MmaGemvConfig reads 16-byte"):
         call(a[:1], b_packed=words, config=MmaGemvConfig(1, 1, 1))
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaGemvConfig runs compiled"):
             call(a[:1], config=MmaGemvConfig(1, 1, 1))
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_default_path_takes_unaligned_rows_elsewhere(device, m):
+    """An A 2 bytes off 16-byte alignment, or with 8-byte rows, is no error
+    for ``marlin_gemm`` without a config: it goes to a kernel that reads it.
+    N x K is large enough that the tensor cores would take aligned rows; the
+    tolerance is the tile GEMM's (bf16 weights), 1% of the largest output."""
+    n, k = 4096, 8192
+    if device.type == "cpu":
+        n, k = 16, 256  # the interpreter: only the fallback's result is checked
+    a, packed, scales, exact, _ = _problem(m, n, k, 128, torch.bfloat16, device)
+    buf = torch.zeros(m * (k + 4) + 1, dtype=a.dtype, device=device)
+    off_by_two = buf[1 : m * k + 1].view(m, k)
+    eight_byte_rows = buf[: m * (k + 4)].view(m, k + 4)[:, :k]
+    for view in (off_by_two, eight_byte_rows):
+        view.copy_(a)
+        out = marlin_gemm(
+            view, packed, scales, _workspace(device), group_size=128, size_n=n,
+            size_k=k,
+        )  # fmt: skip
+        error = (out.float() - exact).abs().max() / exact.abs().max()
+        assert float(error) < 1e-2, view.stride()
 
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336), (5120, 2048)]

@@ -40,6 +40,7 @@ from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     default_mma_moe_decode_config,
 )
 from vllm.model_executor.kernels.marlin.moe_decode_reference import (
+    marlin_moe_decode_reference,
     marlin_moe_decode_routed_reference,
 )
 
@@ -218,6 +219,26 @@ def test_bad_inputs_raise(device):
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaMoeDecodeConfig runs"):
             call()
+
+
+def test_default_path_takes_unaligned_rows_elsewhere(device):
+    """Without a config, tokens 2 bytes off 16-byte alignment go to the
+    CUDA-core kernels instead of raising."""
+    tokens, hidden, inter, experts, topk = 3, 256, 128, 4, 2
+    dtype = torch.float16
+    w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device)
+    x = torch.randn(tokens, hidden, device=device).to(dtype) / 4
+    shifted = torch.zeros(tokens * hidden + 1, dtype=dtype, device=device)
+    x_view = shifted[1:].view(tokens, hidden)
+    x_view.copy_(x)
+    ids = torch.tensor([[0, 3], [1, 1], [2, 0]], dtype=torch.int32, device=device)
+    tw = torch.rand(tokens, topk, device=device)
+    act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
+    out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
+    args = (ids, tw, w13, s13, w2, s2, None, "silu", 128)
+    marlin_moe_decode(x_view, *args, act, out)
+    ref = marlin_moe_decode_reference(x, *args, act.clone(), torch.empty_like(out))
+    _close(out, ref, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

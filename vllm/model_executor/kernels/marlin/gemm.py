@@ -35,6 +35,7 @@ from vllm.model_executor.kernels.marlin.gemv_mma import (
     default_mma_gemv_config,
     launch_mma_gemv,
     mma_gemv_applies,
+    rows_aligned,
     runs_mma,
 )
 from vllm.model_executor.kernels.marlin.kernels import (
@@ -167,7 +168,13 @@ def marlin_gemm(
     m = a.shape[0]
     if m == 0:
         return out
-    if config is None and runs_mma(a.device) and mma_gemv_applies(m, size_n, size_k):
+    if (
+        config is None
+        and runs_mma(a.device)
+        and mma_gemv_applies(m, size_n, size_k)
+        and rows_aligned(a)
+        and rows_aligned(b_packed)
+    ):
         config = default_mma_gemv_config(size_n)
     if isinstance(config, MmaGemvConfig):
         launch_mma_gemv(a, b_packed, scales, out, group_size, config)

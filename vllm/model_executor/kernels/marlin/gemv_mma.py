@@ -78,6 +78,13 @@ def runs_mma(device: torch.device) -> bool:
     )
 
 
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows start on 16-byte boundaries, as the tensor-core
+    kernels' vector loads need (a default path falls back where not)."""
+    row_bytes = t.stride(0) * t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or row_bytes % 16 == 0)
+
+
 def mma_gemv_applies(m: int, n: int, k: int) -> bool:
     """Whether ``marlin_gemm`` takes this kernel by default (where
     :func:`runs_mma`). Measured on the H200 (benchmarks/RESULTS.md, the
@@ -434,16 +441,13 @@ def launch_mma_gemv(
         )
     check_warp_tiles(cfg, ("row_tiles", "tiles_per_warp", "k_split"))
     # Every thread reads 16-byte runs of A's rows and of the weights.
-    if (m > 1 and a.stride(0) % 8) or a.data_ptr() % 16:
-        raise ValueError(
-            "a: an MmaGemvConfig reads 16-byte aligned rows (data pointer and "
-            f"row stride), got stride {a.stride()} at {a.data_ptr():#x}"
-        )
-    if b_packed.data_ptr() % 16:
-        raise ValueError(
-            f"b_packed: an MmaGemvConfig needs it 16-byte aligned, got "
-            f"{b_packed.data_ptr():#x}"
-        )
+    for name, t in (("a", a), ("b_packed", b_packed)):
+        if not rows_aligned(t):
+            raise ValueError(
+                f"{name}: an MmaGemvConfig reads 16-byte aligned rows (data "
+                f"pointer and row stride), got stride {t.stride()} at "
+                f"{t.data_ptr():#x}"
+            )
     if not runs_mma(a.device):
         raise ValueError(
             "config: an MmaGemvConfig runs compiled on NVIDIA GPUs of compute "

@@ -62,11 +62,12 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
-from vllm.model_executor.kernels.marlin.gemv_mma import runs_mma
+from vllm.model_executor.kernels.marlin.gemv_mma import rows_aligned, runs_mma
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     default_mma_moe_decode_config,
     launch_mma_moe_decode,
+    mma_operands,
 )
 from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_bucket
 
@@ -435,7 +436,12 @@ def _launch(
     out: torch.Tensor,
     config: MarlinDecodeConfig | MmaMoeDecodeConfig | None,
 ) -> torch.Tensor:
-    if config is None and x.shape[0] >= 2 and runs_mma(x.device):
+    if (
+        config is None
+        and x.shape[0] >= 2
+        and runs_mma(x.device)
+        and all(rows_aligned(t) for _, t in mma_operands(x, act, w13, w2))
+    ):
         config = default_mma_moe_decode_config(x.shape[0])
     if isinstance(config, MmaMoeDecodeConfig):
         if x.shape[0]:

@@ -57,6 +57,7 @@ from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.gemv_mma import (
     check_warp_tiles,
     mma_rows,
+    rows_aligned,
     runs_mma,
 )
 
@@ -452,13 +453,11 @@ def _maximum(a, b):
     return gl.maximum(a, b)
 
 
-def _check_aligned(name: str, t: torch.Tensor) -> None:
-    """16-byte loads of ``t``'s rows: aligned base and row stride."""
-    if t.data_ptr() % 16 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16):
-        raise arg_error(
-            name, f"16-byte aligned rows for an MmaMoeDecodeConfig (data pointer "
-            f"and row stride), got stride {t.stride()} at {t.data_ptr():#x}",
-        )  # fmt: skip
+def mma_operands(
+    x: torch.Tensor, act: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The tensors whose rows the kernels read in 16-byte runs."""
+    return (("x", x), ("act", act), ("w13", w13), ("w2", w2))
 
 
 def launch_mma_moe_decode(
@@ -485,8 +484,13 @@ def launch_mma_moe_decode(
         ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
     ):
         check_warp_tiles(config, names)
-    for name, t in (("x", x), ("act", act), ("w13", w13), ("w2", w2)):
-        _check_aligned(name, t)
+    for name, t in mma_operands(x, act, w13, w2):
+        if not rows_aligned(t):
+            raise arg_error(
+                name, f"16-byte aligned rows for an MmaMoeDecodeConfig (data "
+                f"pointer and row stride), got stride {t.stride()} at "
+                f"{t.data_ptr():#x}",
+            )  # fmt: skip
     if not runs_mma(x.device):
         raise ValueError(
             "config: an MmaMoeDecodeConfig runs compiled on NVIDIA GPUs of "
