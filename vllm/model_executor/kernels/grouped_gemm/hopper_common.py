@@ -52,6 +52,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from vllm.model_executor.kernels.common.activation_quant import gated_act
 from vllm.model_executor.kernels.common.fp8 import FP8_MAX, MIN_SCALE
+from vllm.model_executor.kernels.common.gluon_combine import add
 
 # Triton 3.6 (the H200 here) names the TMA copies async_copy_*; later
 # versions call them async_load / async_store and make the old names raise.
@@ -121,20 +122,8 @@ def _acc_layout(dtype: gl.dtype) -> gl.NVMMADistributedLayout:
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _maximum(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
 def _total(x):
-    # gl.reduce, not gl.sum: gl.sum wraps a Triton jit function, which
-    # TRITON_INTERPRET (the CPU tests) turns into one Gluon cannot compile.
-    return gl.reduce(x, 0, _add)
+    return gl.reduce(x, 0, add)
 
 
 @gluon.jit
@@ -146,7 +135,7 @@ def _expert_tiles(offsets_ptr, num_experts, BLOCK_E: gl.constexpr, WARPS: gl.con
     starts = gl.load(offsets_ptr + experts, mask=valid, other=0).to(gl.int32)
     ends = gl.load(offsets_ptr + experts + 1, mask=valid, other=0).to(gl.int32)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    return experts, starts, ends, tiles, gl.associative_scan(tiles, 0, _add)
+    return experts, starts, ends, tiles, gl.associative_scan(tiles, 0, add)
 
 
 @gluon.jit

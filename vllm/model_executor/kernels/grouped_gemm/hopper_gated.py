@@ -26,6 +26,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
     SWIGLU_LIMIT,
 )
 from vllm.model_executor.kernels.common.device_info import persistent_programs
+from vllm.model_executor.kernels.common.gluon_combine import maximum
 from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     _FP8_MAX,
     _MIN_SCALE,
@@ -43,7 +44,6 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     _gated_act,
     _itemsize,
     _mainloop,
-    _maximum,
     _ring,
     _scaled,
     _skip,
@@ -218,7 +218,7 @@ def _gated_consumer(
             gate, up = gl.split(gl.reshape(acc, (SUB, OUT_N, 2)))
             y = _gated_act(gate, up, MODE, ALPHA, LIMIT)
             if QUANT:  # fp8 with one scale per row of this tile's GROUP columns
-                amax = gl.reduce(gl.abs(y), 1, _maximum)
+                amax = gl.reduce(gl.abs(y), 1, maximum)
                 scale = gl.maximum(amax, _MIN_SCALE) / _FP8_MAX
                 # |y| / scale <= FP8_MAX up to rounding: no clamp needed.
                 y = y * (1.0 / scale)[:, None]

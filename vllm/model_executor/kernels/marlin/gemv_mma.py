@@ -49,6 +49,7 @@ from triton.experimental.gluon import language as gl
 
 from vllm import envs
 from vllm.model_executor.kernels.common.device_info import capability
+from vllm.model_executor.kernels.common.gluon_combine import add
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
 
@@ -398,10 +399,10 @@ def _mma_gemv_kernel(
     )  # fmt: skip
 
     # Sum the K slices; lanes (g, t) hold rows g, g + 8 of A rows 2t, 2t + 1.
-    out0 = gl.reduce(acc0, 0, _add)
-    out1 = gl.reduce(acc1, 0, _add)
-    out2 = gl.reduce(acc2, 0, _add)
-    out3 = gl.reduce(acc3, 0, _add)
+    out0 = gl.reduce(acc0, 0, add)
+    out1 = gl.reduce(acc1, 0, add)
+    out2 = gl.reduce(acc2, 0, add)
+    out3 = gl.reduce(acc3, 0, add)
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)
     rt2 = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(1, out_layout))[:, None]
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
@@ -415,11 +416,6 @@ def _mma_gemv_kernel(
     gl.store(
         c_ptrs + stride_cm + 8, out3.to(dtype), mask=(row + 8 < N) & (a_row + 1 < M)
     )
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
 
 
 def launch_mma_gemv(

@@ -45,6 +45,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
     gated_act,
 )
 from vllm.model_executor.kernels.common.checks import arg_error
+from vllm.model_executor.kernels.common.gluon_combine import add, maximum
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.topk_softmax import (
     ROUTE_ID_MASK,
@@ -125,12 +126,12 @@ def _routed_id(row, num_ids, slot, BLOCK_E: gl.constexpr, layout: gl.constexpr):
     """The expert id of route ``slot`` of the token's logits at ``row``
     (:func:`~.topk_softmax.route_expert`: ``slot + 1`` rounds)."""
     keys, _ = _router_keys(row, num_ids, BLOCK_E, layout)
-    best = gl.reduce(keys, 1, _maximum)[:, None]
+    best = gl.reduce(keys, 1, maximum)[:, None]
     for _ in range(slot):
         keys = gl.where(keys == best, ROUTE_TAKEN, keys)
-        best = gl.reduce(keys, 1, _maximum)[:, None]
+        best = gl.reduce(keys, 1, maximum)[:, None]
     return gl.reduce(
-        gl.reduce(ROUTE_ID_MASK - (best & ROUTE_ID_MASK), 1, _maximum), 0, _maximum
+        gl.reduce(ROUTE_ID_MASK - (best & ROUTE_ID_MASK), 1, maximum), 0, maximum
     )
 
 
@@ -151,16 +152,16 @@ def _routes(
     ids = gl.zeros_like(r)
     top = gl.full(r.shape, float("-inf"), gl.float32, layout)
     for i in range(topk):
-        best = gl.reduce(keys, 1, _maximum)[:, None]
+        best = gl.reduce(keys, 1, maximum)[:, None]
         keys = gl.where(keys == best, ROUTE_TAKEN, keys)
         ids = gl.where(r == i, ROUTE_ID_MASK - (best & ROUTE_ID_MASK), ids)
         top = gl.where(r == i, route_key_logit(best), top)
-    largest = gl.reduce(x, 1, _maximum)[:, None]
+    largest = gl.reduce(x, 1, maximum)[:, None]
     weights = gl.exp(top - largest)  # zero past topk
     if RENORMALIZE:
-        weights = weights / gl.reduce(weights, 1, _add)[:, None]
+        weights = weights / gl.reduce(weights, 1, add)[:, None]
     else:
-        weights = weights / gl.reduce(gl.exp(x - largest), 1, _add)[:, None]
+        weights = weights / gl.reduce(gl.exp(x - largest), 1, add)[:, None]
     return ids, weights
 
 
@@ -250,8 +251,8 @@ def _gated_mma_kernel(
             K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, False,
             NIBBLES_IN_ORDER,
         )  # fmt: skip
-        gate = gl.reduce(gate, 0, _add)
-        up = gl.reduce(up, 0, _add)
+        gate = gl.reduce(gate, 0, add)
+        up = gl.reduce(up, 0, add)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
         out_layout: gl.constexpr = gl.SliceLayout(0, layout)
         lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
@@ -332,8 +333,8 @@ def _turn_routes(
     if ROUTED:
         r = gl.arange(0, route_ids.shape[1], layout=gl.SliceLayout(0, slot.type.layout))
         pick = r[None, :] == slot
-        route_id = gl.reduce(gl.where(pick, route_ids, 0), 1, _add)[:, None]
-        weight = gl.reduce(gl.where(pick, route_weights, 0.0), 1, _add)[:, None]
+        route_id = gl.reduce(gl.where(pick, route_ids, 0), 1, add)[:, None]
+        weight = gl.reduce(gl.where(pick, route_weights, 0.0), 1, add)[:, None]
     else:
         route_id = gl.load(ids_ptr + token * stride_ids + slot)
         weight = gl.load(weights_ptr + token * stride_weights + slot)
@@ -430,8 +431,8 @@ def _down_sum_mma_kernel(
         )  # fmt: skip
         total_lo += lo
         total_hi += hi
-    out_lo = gl.reduce(total_lo, 0, _add)
-    out_hi = gl.reduce(total_hi, 0, _add)
+    out_lo = gl.reduce(total_lo, 0, add)
+    out_hi = gl.reduce(total_hi, 0, add)
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
     rt2 = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(1, out_layout))[:, None]
@@ -441,16 +442,6 @@ def _down_sum_mma_kernel(
     out_row = out_ptr + token * stride_out
     gl.store(out_row + cols, out_lo.to(dtype), mask=first & (cols < hidden))
     gl.store(out_row + cols + 8, out_hi.to(dtype), mask=first & (cols + 8 < hidden))
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _maximum(a, b):
-    return gl.maximum(a, b)
 
 
 def mma_operands(
