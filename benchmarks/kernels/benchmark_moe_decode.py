@@ -280,11 +280,18 @@ def sweep_uint4_tiles(
             )  # fmt: skip
 
         steps[str(config)] = step
-    for gated_mma, down_mma in itertools.product(  # the tensor-core kernels
+    tiles = itertools.product(  # the tensor-core kernels' tiles at depth 2
         ((1, 1, 1), (2, 1, 2), (2, 2, 4), (4, 2, 2), (4, 4, 2), (2, 1, 8)),
         ((1, 1, 8), (1, 1, 4), (2, 2, 8), (4, 4, 8)),
-    ):
-        mma = MmaMoeDecodeConfig(*gated_mma, *down_mma)
+        ((2, 2),),
+    )
+    depths = itertools.product(  # and the shipped tiles at other depths
+        ((2, 2, 4), (4, 2, 2)),
+        ((1, 1, 8), (2, 2, 8)),
+        ((1, 1), (4, 4), (4, 6), (8, 6)),
+    )
+    for gated_mma, down_mma, depth in itertools.chain(tiles, depths):
+        mma = MmaMoeDecodeConfig(*gated_mma, *down_mma, *depth)
 
         def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
             marlin_moe_decode(

@@ -66,7 +66,7 @@ def main() -> None:
         default=["1x1x1", "1x1x2", "1x1x4", "1x1x8", "2x1x2", "2x1x4", "2x1x8",
                  "2x2x2", "2x2x4", "2x2x8", "4x2x2", "4x2x4", "4x4x1", "4x4x2",
                  "4x4x4"],
-        help="MmaGemvConfig row_tiles x tiles_per_warp x k_split",
+        help="MmaGemvConfig row_tiles x tiles_per_warp x k_split [x depth]",
     )  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -96,8 +96,9 @@ def main() -> None:
             }
             if m <= MMA_GEMV_MAX_M:
                 for spec in args.mma:
-                    rt, tpw, ks = (int(v) for v in spec.split("x"))
-                    cfgs[f"mma r{rt} t{tpw} k{ks}"] = MmaGemvConfig(rt, tpw, ks)
+                    mma = MmaGemvConfig(*(int(v) for v in spec.split("x")))
+                    name = f"mma r{mma.row_tiles} t{mma.tiles_per_warp} "
+                    cfgs[name + f"k{mma.k_split} d{mma.depth}"] = mma
             cfgs["tensor-core"] = default_config(m, n, k, dev)
             steps = {}
             for name, cfg in cfgs.items():

@@ -53,6 +53,8 @@ CONFIGS = [
     MmaMoeDecodeConfig(4, 2, 2, 2, 1, 2),
     # GEMM2's programs of 256 columns: the second one partial at hidden 384.
     MmaMoeDecodeConfig(1, 1, 1, 16, 8, 1),
+    # no ring in GEMM1; in GEMM2 more steps in flight than a route has
+    MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8, gated_depth=1, down_depth=8),
 ]
 
 
@@ -69,7 +71,7 @@ def compile_kernels() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = default_mma_moe_decode_config()
+    cfg = MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8, gated_depth=3, down_depth=3)
     for dtype, w4a8, routed in itertools.product(
         ("bf16", "fp16"), (False, True), (False, True)
     ):
@@ -82,11 +84,12 @@ def compile_kernels() -> None:
         gated = common | dict(
             GATE_UP_INTERLEAVED=w4a8, MODE=1, ALPHA=1.702, LIMIT=7.0,
             ROW_TILES=cfg.gated_row_tiles, TILES_PER_WARP=cfg.gated_tiles_per_warp,
-            K_SPLIT=cfg.gated_k_split,
+            K_SPLIT=cfg.gated_k_split, DEPTH=cfg.gated_depth,
         )  # fmt: skip
         down = common | dict(
             ROW_TILES=cfg.down_row_tiles, TILES_PER_WARP=cfg.down_tiles_per_warp,
-            ROUTE_SPLIT=cfg.down_route_split, RENORMALIZE=True, BLOCK_R=8,
+            ROUTE_SPLIT=cfg.down_route_split, DEPTH=cfg.down_depth, RENORMALIZE=True,
+            BLOCK_R=8,
         )  # fmt: skip
         # Pointers by name: routing int32, route weights fp32, scales.
         types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
@@ -125,15 +128,15 @@ def test_compiles_for_sm90_without_a_gpu():
     """GEMM1 (one K step of 2 row tiles a warp in its loop): 24 MMAs, and
     the PDL wait before any load (the routing is the previous kernel's).
     GEMM2 (one tile a warp, the first route peeled): 2 x 16 MMAs, and the
-    first route's words of rows g and g + 8 loaded before the wait (with
-    the routing, two launches back)."""
+    first route's words of rows g and g + 8 for its first 3 K steps (its
+    depth) loaded before the wait (with the routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 16
     for name, mmas, (loads_before, words_before, words_after) in builds:
         if name == "_gated_mma_kernel":
             assert (mmas, loads_before) == (24, 0)
         else:
-            assert (mmas, words_before) == (32, 2)
+            assert (mmas, words_before) == (32, 6)
         assert words_after > 0
 
 
@@ -209,6 +212,10 @@ def test_bad_inputs_raise(device):
         call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 3))
     with pytest.raises(ValueError, match="config: gated_tiles_per_warp must divide"):
         call(config=MmaMoeDecodeConfig(1, 2, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"config: gated_depth must be in 1\.\.8"):
+        call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1, gated_depth=0))
+    with pytest.raises(ValueError, match=r"config: down_depth must be in 1\.\.8"):
+        call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1, down_depth=9))
     wide = torch.zeros(1, hidden + 8, dtype=x.dtype, device=device)
     with pytest.raises(ValueError, match="x: expected 16-byte aligned rows"):
         call(x=wide[:, 1 : hidden + 1])

@@ -54,16 +54,18 @@ from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
 
 MMA_GEMV_MAX_M = 8  # the MMA's n: rows of A per launch
+MAX_DEPTH = 8  # K steps of weights in flight per warp (registers)
 
 
 @dataclass(frozen=True)
 class MmaGemvConfig:
-    """16-row weight tiles per program, of them per warp, and warps over
-    each tile's K steps."""
+    """16-row weight tiles per program, of them per warp, warps over each
+    tile's K steps, and K steps of weights each warp keeps in flight."""
 
     row_tiles: int
     tiles_per_warp: int
     k_split: int
+    depth: int = 2
 
     @property
     def num_warps(self) -> int:
@@ -117,6 +119,12 @@ def check_warp_tiles(config: object, names: tuple[str, str, str]) -> None:
         raise ValueError(
             f"config: {names[1]} must divide {names[0]}, in at most 16 warps: {config}"
         )
+
+
+def check_depth(config: object, name: str) -> None:
+    """An error naming ``config`` unless its field ``name`` is a depth."""
+    if not 1 <= getattr(config, name) <= MAX_DEPTH:
+        raise ValueError(f"config: {name} must be in 1..{MAX_DEPTH}: {config}")
 
 
 # One word -> its four pairs, nibbles (i, i + 4) in pair i, as the 16-bit
@@ -173,6 +181,19 @@ def _load_words(ptrs):
         _LOAD_V4, "=r,=r,=r,=r,l", [ptrs],
         dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
     )  # fmt: skip
+
+
+@gluon.jit
+def _step_words(w_lo, w_hi, step, steps):
+    """The words of rows g and g + 8 at K step ``step`` (past the last: the
+    last again)."""
+    step = gl.minimum(step, steps - 1)[:, None, :] * _STEP_WORDS
+    return _load_words(w_lo + step), _load_words(w_hi + step)
+
+
+@gluon.jit
+def _append(ring, item):
+    return ring + (item,)  # noqa: RUF005 (Gluon compiles no starred tuple)
 
 
 @gluon.jit
@@ -298,30 +319,35 @@ def mma_rows(
     FP16: gl.constexpr,
     PDL: gl.constexpr,  # wait for the previous kernel after the first words
     NIBBLES_IN_ORDER: gl.constexpr = False,  # W4A8's packing (see _load_x)
+    DEPTH: gl.constexpr = 2,  # K steps of words in flight (MAX_DEPTH)
 ):
     """The K loop: fp32 [S, R, 32] x 4, each warp slice's scaled sums of its
     steps; lane (g, t) holds rows g (0, 1) and g + 8 (2, 3) of A rows 2t
     and 2t + 1. A slice's steps past the last repeat the last one and are
     scaled by zero."""
-    step = gl.minimum(first, steps - 1)
-    lo = _load_words(w_lo + step[:, None, :] * _STEP_WORDS)
-    hi = _load_words(w_hi + step[:, None, :] * _STEP_WORDS)
+    # A ring of the next DEPTH steps' words (HBM's latency), activations one
+    # step ahead; the first DEPTH steps' words load before the PDL wait.
+    ring = (_step_words(w_lo, w_hi, first, steps),)
+    for d in gl.static_range(1, DEPTH):
+        ring = _append(ring, _step_words(w_lo, w_hi, first + d * STEP_STRIDE, steps))
     if PDL:
         gl.inline_asm_elementwise(
             "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
             "=r", [], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
-    x = _load_x(x_rows, step, NIBBLES_IN_ORDER)
-    acc0 = gl.zeros_like(lo[0], dtype=gl.float32)
+    x = _load_x(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
+    acc0 = gl.zeros_like(ring[0][0][0], dtype=gl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
     for i in range(0, gl.cdiv(steps, STEP_STRIDE)):
         here = first + i * STEP_STRIDE
-        nxt = gl.minimum(here + STEP_STRIDE, steps - 1)
-        lo_next = _load_words(w_lo + nxt[:, None, :] * _STEP_WORDS)
-        hi_next = _load_words(w_hi + nxt[:, None, :] * _STEP_WORDS)
-        x_next = _load_x(x_rows, nxt, NIBBLES_IN_ORDER)
+        lo, hi = ring[0]
+        newest = _step_words(w_lo, w_hi, here + DEPTH * STEP_STRIDE, steps)
+        ring = _append(ring[1:], newest)
+        x_next = _load_x(
+            x_rows, gl.minimum(here + STEP_STRIDE, steps - 1), NIBBLES_IN_ORDER
+        )
         c0, c1, c2, c3 = _step(lo, hi, x, FP16)
         valid = (here < steps)[:, None, :]
         if GROUP_SIZE > 0:
@@ -337,8 +363,6 @@ def mma_rows(
         acc1 += c1 * scale_lo
         acc2 += c2 * scale_hi
         acc3 += c3 * scale_hi
-        lo = lo_next
-        hi = hi_next
         x = x_next
     unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
     if GROUP_SIZE < 0:
@@ -367,6 +391,7 @@ def _mma_gemv_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
+    DEPTH: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
@@ -395,7 +420,7 @@ def _mma_gemv_kernel(
         b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4,
         b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4,
         s_ptr + row_lo, s_ptr + row_hi, x_rows + t * 16, ks + gl.zeros_like(lane),
-        K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL,
+        K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL, DEPTH=DEPTH,
     )  # fmt: skip
 
     # Sum the K slices; lanes (g, t) hold rows g, g + 8 of A rows 2t, 2t + 1.
@@ -436,6 +461,7 @@ def launch_mma_gemv(
             f"a: at most {MMA_GEMV_MAX_M} rows for an MmaGemvConfig, got {m}"
         )
     check_warp_tiles(cfg, ("row_tiles", "tiles_per_warp", "k_split"))
+    check_depth(cfg, "depth")
     # Every thread reads 16-byte runs of A's rows and of the weights.
     for name, t in (("a", a), ("b_packed", b_packed)):
         if not rows_aligned(t):
@@ -466,6 +492,7 @@ def launch_mma_gemv(
         ROW_TILES=cfg.row_tiles,
         TILES_PER_WARP=cfg.tiles_per_warp,
         K_SPLIT=cfg.k_split,
+        DEPTH=cfg.depth,
         FP16=a.dtype == torch.float16,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,

@@ -56,6 +56,7 @@ from vllm.model_executor.kernels.common.topk_softmax import (
 )
 from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.gemv_mma import (
+    check_depth,
     check_warp_tiles,
     mma_rows,
     rows_aligned,
@@ -69,7 +70,8 @@ _TILE_K = gl.constexpr(TILE_K)
 class MmaMoeDecodeConfig:
     """GEMM1's 16-row tiles (8 gate/up column pairs each) per program, of
     them per warp, and warps over K; GEMM2's 16-column tiles per program,
-    of them per warp, and warps over the token's routes."""
+    of them per warp, and warps over the token's routes; each GEMM's K
+    steps of weights in flight per warp."""
 
     gated_row_tiles: int
     gated_tiles_per_warp: int
@@ -77,6 +79,8 @@ class MmaMoeDecodeConfig:
     down_row_tiles: int
     down_tiles_per_warp: int
     down_route_split: int
+    gated_depth: int = 2
+    down_depth: int = 2
 
 
 def default_mma_moe_decode_config(tokens: int = 2) -> MmaMoeDecodeConfig:
@@ -198,6 +202,7 @@ def _gated_mma_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
+    DEPTH: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
     ROUTED: gl.constexpr,
@@ -249,7 +254,7 @@ def _gated_mma_kernel(
             s_expert + gate_row * stride_sn, s_expert + up_row * stride_sn,
             x_row + t * 16 + gl.zeros_like(ks), ks + gl.zeros_like(lane),
             K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, False,
-            NIBBLES_IN_ORDER,
+            NIBBLES_IN_ORDER, DEPTH,
         )  # fmt: skip
         gate = gl.reduce(gate, 0, add)
         up = gl.reduce(up, 0, add)
@@ -288,6 +293,7 @@ def _route_sums(
     GROUP_SIZE: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
+    DEPTH: gl.constexpr,
 ):
     """One turn of GEMM2: each slice's weighted sums of rows g and g + 8
     ([S, R, 32] x 2) for its route of the turn."""
@@ -300,7 +306,7 @@ def _route_sums(
         w_rows_lo + expert_64 * stride_we, w_rows_hi + expert_64 * stride_we,
         s_rows_lo + expert_64 * stride_se, s_rows_hi + expert_64 * stride_se,
         act_row + t * 16, gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
-        GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER,
+        GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER, DEPTH,
     )  # fmt: skip
     # A select, not a product: act rows of routes without an expert are
     # never written (they may hold anything, NaN included).
@@ -373,6 +379,7 @@ def _down_sum_mma_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     ROUTE_SPLIT: gl.constexpr,
+    DEPTH: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
     ROUTED: gl.constexpr,
@@ -416,7 +423,7 @@ def _down_sum_mma_kernel(
     total_lo, total_hi = _route_sums(
         act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t, token,
         inter, topk, stride_act, stride_we, stride_se, stride_sg, NIBBLES_IN_ORDER,
-        GROUP_SIZE, FP16, PDL,
+        GROUP_SIZE, FP16, PDL, DEPTH,
     )  # fmt: skip
     for turn in range(1, gl.cdiv(topk, ROUTE_SPLIT)):
         expert, weight, slot, in_range = _turn_routes(
@@ -427,7 +434,7 @@ def _down_sum_mma_kernel(
         lo, hi = _route_sums(
             act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t,
             token, inter, topk, stride_act, stride_we, stride_se, stride_sg,
-            NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False,
+            NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False, DEPTH,
         )  # fmt: skip
         total_lo += lo
         total_hi += hi
@@ -475,6 +482,8 @@ def launch_mma_moe_decode(
         ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
     ):
         check_warp_tiles(config, names)
+    for name in ("gated_depth", "down_depth"):
+        check_depth(config, name)
     for name, t in mma_operands(x, act, w13, w2):
         if not rows_aligned(t):
             raise arg_error(
@@ -510,6 +519,7 @@ def launch_mma_moe_decode(
         NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
         LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
         TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
+        DEPTH=config.gated_depth,
         FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
         num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
         * config.gated_k_split,
@@ -524,7 +534,8 @@ def launch_mma_moe_decode(
         logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
         GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
         TILES_PER_WARP=config.down_tiles_per_warp,
-        ROUTE_SPLIT=config.down_route_split, FP16=fp16, PDL=launch_pdl,
+        ROUTE_SPLIT=config.down_route_split, DEPTH=config.down_depth, FP16=fp16,
+        PDL=launch_pdl,
         ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
         BLOCK_R=block_r,
         num_warps=config.down_row_tiles // config.down_tiles_per_warp
