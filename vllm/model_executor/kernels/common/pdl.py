@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm import envs
@@ -51,3 +53,13 @@ def pdl_wait(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@gluon.jit
+def gluon_pdl_wait(PDL: gl.constexpr):
+    """:func:`pdl_wait` in a Gluon kernel (inline PTX)."""
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip

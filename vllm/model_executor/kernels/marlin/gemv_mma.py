@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from vllm import envs
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.gluon_combine import add
-from vllm.model_executor.kernels.common.pdl import pdl
+from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait, pdl
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
 
 MMA_GEMV_MAX_M = 8  # the MMA's n: rows of A per launch
@@ -330,11 +330,7 @@ def mma_rows(
     ring = (_step_words(w_lo, w_hi, first, steps),)
     for d in gl.static_range(1, DEPTH):
         ring = _append(ring, _step_words(w_lo, w_hi, first + d * STEP_STRIDE, steps))
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
-            "=r", [], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+    gluon_pdl_wait(PDL)
     x = _load_x(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
     acc0 = gl.zeros_like(ring[0][0][0], dtype=gl.float32)
     acc1 = acc0

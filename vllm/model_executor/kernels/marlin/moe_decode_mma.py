@@ -46,7 +46,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 )
 from vllm.model_executor.kernels.common.checks import arg_error
 from vllm.model_executor.kernels.common.gluon_combine import add, maximum
-from vllm.model_executor.kernels.common.pdl import pdl
+from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait, pdl
 from vllm.model_executor.kernels.common.topk_softmax import (
     ROUTE_ID_MASK,
     ROUTE_TAKEN,
@@ -91,14 +91,6 @@ def default_mma_moe_decode_config(tokens: int = 2) -> MmaMoeDecodeConfig:
     if tokens < 4:
         return MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8)
     return MmaMoeDecodeConfig(4, 2, 2, 2, 2, 8)
-
-
-@gluon.jit
-def _wait():
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
-        "=r", [], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -215,8 +207,7 @@ def _gated_mma_kernel(
         [2, 1, 0],
     )
     x_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    if PDL:
-        _wait()  # the routing (or the router's logits) is the previous kernel's
+    gluon_pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = gl.program_id(0)
     token = route // topk
     if ROUTED:
