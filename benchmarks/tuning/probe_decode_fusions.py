@@ -21,7 +21,7 @@ builds it (graphs included) and times TPOT as ``benchmark_latency.py`` does:
 - ``... one kernel more``: a trivial kernel launched with PDL after
   attention: what a launch costs in the chain.
 - ``uint4 on tensor cores`` (``--quantization w4a16`` or ``w4a8``):
-  ``marlin_gemm`` at 1-8 rows (W4A16's dense layers) and the uint4
+  ``marlin_gemm`` at 1-16 rows (W4A16's dense layers) and the uint4
   experts' decode kernels (routing from the logits, as shipped) on the
   tensor-core kernels (``gemv_mma``, ``moe_decode_mma``): against
   ``baseline``, what they would save.

@@ -69,7 +69,8 @@ def compile_kernels() -> None:
     args += ["stride_am", "stride_bn", "stride_sg", "stride_cm"]
     for dtype in ("bf16", "fp16"):
         for group_size in (128, -1):
-            for cfg in (MmaGemvConfig(1, 1, 1, 1), MmaGemvConfig(2, 2, 4, 3)):
+            for cfg, blocks in ((MmaGemvConfig(1, 1, 1, 1), 1),
+                                (MmaGemvConfig(2, 2, 4, 3), 2)):  # fmt: skip
                 ptr = f"*{dtype}"
                 types = [ptr, "*i32", ptr, ptr] + ["i32"] * 7
                 signature = dict(zip(args, types, strict=True))
@@ -79,6 +80,7 @@ def compile_kernels() -> None:
                     "TILES_PER_WARP": cfg.tiles_per_warp,
                     "K_SPLIT": cfg.k_split,
                     "DEPTH": cfg.depth,
+                    "A_BLOCKS": blocks,
                     "FP16": dtype == "fp16",
                     "PDL": True,
                 }
@@ -102,9 +104,8 @@ def compile_kernels() -> None:
                 before, _, after = sass.partition("ACQBULK")
                 loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
                 mmas = compiled.asm["ptx"].count(mma)
-                print(
-                    COMPILED, json.dumps([cfg.tiles_per_warp, cfg.depth, mmas, loads])
-                )
+                built = [cfg.tiles_per_warp, cfg.depth, blocks, mmas, loads]
+                print(COMPILED, json.dumps(built))
 
 
 def _sass(cubin: bytes) -> str:
@@ -125,20 +126,20 @@ def _sass(cubin: bytes) -> str:
 
 def test_compiles_for_sm90_without_a_gpu():
     """Each build holds one K step's MMAs (8 per row tile of a warp, 8 for
-    the offset) and, as ptxas schedules it, loads the first ``depth`` steps'
-    words of rows g and g + 8 of each tile before the PDL wait, the
-    activations only
-    after it (the PDL contract, :mod:`~.common.pdl`)."""
+    the offset, each for every block of 8 rows of A) and, as ptxas schedules
+    it, loads the first ``depth`` steps' words of rows g and g + 8 of each
+    tile before the PDL wait, the activations only after it (the PDL
+    contract, :mod:`~.common.pdl`)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 8
-    for tiles_per_warp, depth, mmas, (before_wait, after_wait) in builds:
-        assert mmas == 8 * tiles_per_warp + 8
+    for tiles_per_warp, depth, blocks, mmas, (before_wait, after_wait) in builds:
+        assert mmas == (8 * tiles_per_warp + 8) * blocks
         assert before_wait == 2 * depth * tiles_per_warp
         assert after_wait > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 5, MMA_GEMV_MAX_M])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 13, MMA_GEMV_MAX_M])
 @pytest.mark.parametrize(
     "config",
     # depth 1 (no ring), the default 2, and 5: more than a slice's steps
@@ -216,7 +217,7 @@ def test_bad_arguments_raise(device):
         marlin_gemm, b_packed=packed, scales=scales, workspace=_workspace(device),
         group_size=128, size_n=n, size_k=k,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="a: at most 8 rows"):
+    with pytest.raises(ValueError, match="a: at most 16 rows"):
         call(a, config=MmaGemvConfig(1, 1, 1))
     with pytest.raises(ValueError, match="config: k_split must be a power of two"):
         call(a[:1], config=MmaGemvConfig(1, 1, 3))
@@ -269,7 +270,7 @@ GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336), (5120, 2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group_size", [128, -1])
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 12, 16])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 def test_gpu_model_sizes(shape, m, group_size):
     n, k = shape

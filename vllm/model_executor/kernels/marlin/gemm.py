@@ -152,7 +152,7 @@ def marlin_gemm(
     ``out`` when not given. Where :func:`gemv_applies` (or with a
     :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs; where
     :func:`~.gemv_mma.mma_gemv_applies` on NVIDIA GPUs (or with an
-    :class:`MmaGemvConfig`) the tensor-core one of :mod:`.gemv_mma`, up to 8
+    :class:`MmaGemvConfig`) the tensor-core one of :mod:`.gemv_mma`, up to 16
     rows; both leave the workspace alone.
     """
     check_marlin_args(

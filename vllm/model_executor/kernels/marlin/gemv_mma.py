@@ -1,6 +1,6 @@
 """The Marlin-style W4A16 GEMM at decode sizes on the tensor cores, with the
 weights dequantized in registers (Gluon, NVIDIA sm_80 and later): up to 8
-rows of A for the time of one.
+rows of A for the time of one, 16 with a second MMA per weight fragment.
 
 :mod:`.gemv` multiplies on the CUDA cores and is issue-bound: a weight costs
 at least a LOP3, an FSUB and an FFMA (4.2 instructions measured), so its
@@ -34,9 +34,10 @@ threads or through shared memory:
 
 A program owns ``16 * ROW_TILES`` weight rows; its ``ROW_TILES x
 K_SPLIT`` warps each take 16 of them over every ``K_SPLIT``-th step and sum
-across warps at the end. The next step's words and activations load while
-the current step multiplies; the first step's words load before the PDL
-wait (plain loads: ptxas hoists the wait above non-coherent ones). Rows
+across warps at the end. Each warp keeps ``depth`` steps' words in flight
+(a ring: HBM's latency over a few steps per warp) and the next step's
+activations; the first ``depth`` steps' words load before the PDL wait
+(plain loads: ptxas hoists the wait above non-coherent ones). Rows
 past N and steps past K repeat the last ones (not stored, or scaled by
 zero). No split-K across programs: the lock workspace is not touched.
 """
@@ -53,7 +54,7 @@ from vllm.model_executor.kernels.common.gluon_combine import add
 from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait, pdl
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
 
-MMA_GEMV_MAX_M = 8  # the MMA's n: rows of A per launch
+MMA_GEMV_MAX_M = 16  # two MMAs a weight fragment (n = 8 rows of A each)
 MAX_DEPTH = 8  # K steps of weights in flight per warp (registers)
 
 
@@ -95,7 +96,7 @@ def mma_gemv_applies(m: int, n: int, k: int) -> bool:
     and the CUDA-core GEMV; at 1-2 rows it wins on large weights (8192 x
     8192: 13.1 against 16.3 us at one row) and loses on small ones (2048 x
     4096: 4.8 against 3.9)."""
-    return 3 <= m <= MMA_GEMV_MAX_M or (m <= 2 and n * k >= 1 << 25)
+    return 3 <= m <= 8 or (m <= 2 and n * k >= 1 << 25)
 
 
 def default_mma_gemv_config(n: int) -> MmaGemvConfig:
@@ -226,22 +227,6 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, FP16: gl.constexpr):
 
 
 @gluon.jit
-def _word_mmas(lo, hi, b0, b1, b2, b3, c0, c1, c2, c3, FP16: gl.constexpr):
-    """The two MMAs of one word of rows ``g`` (``lo``) and ``g + 8``
-    (``hi``): pairs 0, 1 with activations ``b0, b1``, pairs 2, 3 with
-    ``b2, b3`` ([K_SPLIT, 32]: broadcast over a lane's row tiles, a register
-    copy)."""
-    b0 = b0[:, None, :]
-    b1 = b1[:, None, :]
-    b2 = b2[:, None, :]
-    b3 = b3[:, None, :]
-    l0, l1, l2, l3 = _unpack(lo, FP16)
-    h0, h1, h2, h3 = _unpack(hi, FP16)
-    c0, c1, c2, c3 = _mma(l0, h0, l1, h1, b0, b1, c0, c1, c2, c3, FP16)
-    return _mma(l2, h2, l3, h3, b2, b3, c0, c1, c2, c3, FP16)
-
-
-@gluon.jit
 def _offset(x, FP16: gl.constexpr):
     """-(MAGIC + 8 UNIT) times the sum of the step's activations, as an MMA
     fragment of A rows 2t, 2t + 1 (the same for every weight row): an A
@@ -256,19 +241,66 @@ def _offset(x, FP16: gl.constexpr):
 
 
 @gluon.jit
-def _step(lo, hi, x, FP16: gl.constexpr):
-    """fp32 fragment (rows g, g + 8 x A rows 2t, 2t + 1) of one K step:
-    ``lo``/``hi`` the four words of rows g and g + 8, ``x`` the thread's 16
-    activation pairs."""
-    off0, off1 = _offset(x, FP16)
-    c0 = gl.zeros_like(lo[0].to(gl.float32, bitcast=True)) + off0[:, None, :]
-    c1 = gl.zeros_like(c0) + off1[:, None, :]
-    c2 = c0
-    c3 = c1
+def _offsets(word, xs, FP16: gl.constexpr):
+    """Each block's :func:`_offset` as the fragment a step's sum starts
+    from (in ``word``'s shape: one per row tile)."""
+    cs = ()
+    for b in gl.static_range(len(xs)):
+        off0, off1 = _offset(xs[b], FP16)
+        c0 = gl.zeros_like(word.to(gl.float32, bitcast=True)) + off0[:, None, :]
+        c1 = gl.zeros_like(c0) + off1[:, None, :]
+        cs = _append(cs, (c0, c1, c0, c1))
+    return cs
+
+
+@gluon.jit
+def _step(lo, hi, xs, FP16: gl.constexpr):
+    """fp32 fragments (rows g, g + 8 x A rows 2t, 2t + 1) of one K step, one
+    per block of 8 A rows: ``lo``/``hi`` the four words of rows g and g + 8,
+    ``xs`` each block's 16 activation pairs of the thread. A word unpacks
+    once for all blocks; pairs 0, 1 multiply activations 4j, 4j + 1, pairs
+    2, 3 the next two ([K_SPLIT, 32]: broadcast over a lane's row tiles, a
+    register copy)."""
+    cs = _offsets(lo[0], xs, FP16)
     for j in gl.static_range(4):
-        b = x[4 * j : 4 * j + 4]
-        c0, c1, c2, c3 = _word_mmas(lo[j], hi[j], *b, c0, c1, c2, c3, FP16)
-    return c0, c1, c2, c3
+        l0, l1, l2, l3 = _unpack(lo[j], FP16)
+        h0, h1, h2, h3 = _unpack(hi[j], FP16)
+        summed = ()
+        for b in gl.static_range(len(xs)):
+            x = xs[b]
+            c0, c1, c2, c3 = cs[b]
+            c0, c1, c2, c3 = _mma(
+                l0, h0, l1, h1, x[4 * j][:, None, :], x[4 * j + 1][:, None, :],
+                c0, c1, c2, c3, FP16,
+            )  # fmt: skip
+            c0, c1, c2, c3 = _mma(
+                l2, h2, l3, h3, x[4 * j + 2][:, None, :], x[4 * j + 3][:, None, :],
+                c0, c1, c2, c3, FP16,
+            )  # fmt: skip
+            summed = _append(summed, (c0, c1, c2, c3))
+        cs = summed
+    return cs
+
+
+@gluon.jit
+def _scaled(cs, scale_lo, scale_hi):
+    """Each block's rows g times ``scale_lo``, rows g + 8 times ``scale_hi``."""
+    out = ()
+    for b in gl.static_range(len(cs)):
+        c0, c1, c2, c3 = cs[b]
+        scaled = (c0 * scale_lo, c1 * scale_lo, c2 * scale_hi, c3 * scale_hi)
+        out = _append(out, scaled)
+    return out
+
+
+@gluon.jit
+def _sum(accs, cs):
+    out = ()
+    for b in gl.static_range(len(cs)):
+        a0, a1, a2, a3 = accs[b]
+        c0, c1, c2, c3 = cs[b]
+        out = _append(out, (a0 + c0, a1 + c1, a2 + c2, a3 + c3))
+    return out
 
 
 @gluon.jit
@@ -305,12 +337,21 @@ def _load_x(x_rows, step, NIBBLES_IN_ORDER: gl.constexpr):
 
 
 @gluon.jit
+def _load_xs(x_rows, step, NIBBLES_IN_ORDER: gl.constexpr):
+    """:func:`_load_x` for each block of A rows."""
+    xs = ()
+    for b in gl.static_range(len(x_rows)):
+        xs = _append(xs, _load_x(x_rows[b], step, NIBBLES_IN_ORDER))
+    return xs
+
+
+@gluon.jit
 def mma_rows(
     w_lo,  # [S, R, 32] int32 pointers: rows g of R tiles, lane t's first word
     w_hi,  # the same for rows g + 8
     s_lo,  # [S, R, 32] pointers to rows g's group-0 (or channel) scales
     s_hi,  # the same for rows g + 8
-    x_rows,  # [S, 32] int32 pointers: the lane's A row at its 64-byte run
+    x_rows,  # per block of 8 A rows, [S, 32] int32 pointers: the lane's row at its run
     first,  # [S, 32] each slice's first K step (< STEP_STRIDE)
     steps,  # K // 128
     stride_sg,  # from one group's scales to the next
@@ -321,30 +362,30 @@ def mma_rows(
     NIBBLES_IN_ORDER: gl.constexpr = False,  # W4A8's packing (see _load_x)
     DEPTH: gl.constexpr = 2,  # K steps of words in flight (MAX_DEPTH)
 ):
-    """The K loop: fp32 [S, R, 32] x 4, each warp slice's scaled sums of its
-    steps; lane (g, t) holds rows g (0, 1) and g + 8 (2, 3) of A rows 2t
-    and 2t + 1. A slice's steps past the last repeat the last one and are
-    scaled by zero."""
+    """The K loop: per block of A rows, fp32 [S, R, 32] x 4, each warp
+    slice's scaled sums of its steps; lane (g, t) holds rows g (0, 1) and
+    g + 8 (2, 3) of the block's A rows 2t and 2t + 1. A slice's steps past
+    the last repeat the last one and are scaled by zero."""
     # A ring of the next DEPTH steps' words (HBM's latency), activations one
     # step ahead; the first DEPTH steps' words load before the PDL wait.
     ring = (_step_words(w_lo, w_hi, first, steps),)
     for d in gl.static_range(1, DEPTH):
         ring = _append(ring, _step_words(w_lo, w_hi, first + d * STEP_STRIDE, steps))
     gluon_pdl_wait(PDL)
-    x = _load_x(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
-    acc0 = gl.zeros_like(ring[0][0][0], dtype=gl.float32)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
+    xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
+    zero = gl.zeros_like(ring[0][0][0], dtype=gl.float32)
+    accs = ()
+    for _ in gl.static_range(len(x_rows)):
+        accs = _append(accs, (zero, zero, zero, zero))
     for i in range(0, gl.cdiv(steps, STEP_STRIDE)):
         here = first + i * STEP_STRIDE
         lo, hi = ring[0]
         newest = _step_words(w_lo, w_hi, here + DEPTH * STEP_STRIDE, steps)
         ring = _append(ring[1:], newest)
-        x_next = _load_x(
+        xs_next = _load_xs(
             x_rows, gl.minimum(here + STEP_STRIDE, steps - 1), NIBBLES_IN_ORDER
         )
-        c0, c1, c2, c3 = _step(lo, hi, x, FP16)
+        cs = _step(lo, hi, xs, FP16)
         valid = (here < steps)[:, None, :]
         if GROUP_SIZE > 0:
             group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
@@ -355,11 +396,8 @@ def mma_rows(
             scale_hi = 1.0
         scale_lo = gl.where(valid, scale_lo, 0.0)
         scale_hi = gl.where(valid, scale_hi, 0.0)
-        acc0 += c0 * scale_lo
-        acc1 += c1 * scale_lo
-        acc2 += c2 * scale_hi
-        acc3 += c3 * scale_hi
-        x = x_next
+        accs = _sum(accs, _scaled(cs, scale_lo, scale_hi))
+        xs = xs_next
     unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
     if GROUP_SIZE < 0:
         scale_lo = gl.load(s_lo).to(gl.float32) * unit_inv
@@ -367,7 +405,15 @@ def mma_rows(
     else:
         scale_lo = unit_inv
         scale_hi = unit_inv
-    return acc0 * scale_lo, acc1 * scale_lo, acc2 * scale_hi, acc3 * scale_hi
+    return _scaled(accs, scale_lo, scale_hi)
+
+
+@gluon.jit
+def _a_row(a_ptr, row, t, M, stride_am):
+    """Int32 pointers to lane t's 64-byte run of A row ``row`` (past M: the
+    last row)."""
+    a_rows = a_ptr + gl.minimum(row, M - 1) * stride_am
+    return a_rows.to(gl.pointer_type(gl.int32), bitcast=True) + t * 16
 
 
 @gluon.jit
@@ -388,6 +434,7 @@ def _mma_gemv_kernel(
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
     DEPTH: gl.constexpr,
+    A_BLOCKS: gl.constexpr,  # of 8 rows: 1 up to 8 rows of A, else 2
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
@@ -409,34 +456,39 @@ def _mma_gemv_kernel(
     row_hi = gl.minimum(row_lo + 8, N - 1)  # rows past N repeat the last
     row_lo = gl.minimum(row_lo, N - 1)
     # Rows of A past M repeat the last: they only feed MMA columns not stored.
-    x_rows = (a_ptr + gl.minimum(g, M - 1) * stride_am).to(
-        gl.pointer_type(gl.int32), bitcast=True
-    )
-    acc0, acc1, acc2, acc3 = mma_rows(
+    x_rows = (_a_row(a_ptr, g, t, M, stride_am),)
+    if A_BLOCKS == 2:
+        x_rows = _append(x_rows, _a_row(a_ptr, g + 8, t, M, stride_am))
+    blocks = mma_rows(
         b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4,
         b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4,
-        s_ptr + row_lo, s_ptr + row_hi, x_rows + t * 16, ks + gl.zeros_like(lane),
+        s_ptr + row_lo, s_ptr + row_hi, x_rows, ks + gl.zeros_like(lane),
         K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL, DEPTH=DEPTH,
     )  # fmt: skip
 
-    # Sum the K slices; lanes (g, t) hold rows g, g + 8 of A rows 2t, 2t + 1.
-    out0 = gl.reduce(acc0, 0, add)
-    out1 = gl.reduce(acc1, 0, add)
-    out2 = gl.reduce(acc2, 0, add)
-    out3 = gl.reduce(acc3, 0, add)
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)
     rt2 = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(1, out_layout))[:, None]
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
     row = gl.program_id(0) * (16 * ROW_TILES) + rt2 * 16 + lane2 // 4
-    a_row = 2 * (lane2 % 4)
     dtype = c_ptr.dtype.element_ty
-    c_ptrs = c_ptr + a_row * stride_cm + row
-    gl.store(c_ptrs, out0.to(dtype), mask=(row < N) & (a_row < M))
-    gl.store(c_ptrs + stride_cm, out1.to(dtype), mask=(row < N) & (a_row + 1 < M))
-    gl.store(c_ptrs + 8, out2.to(dtype), mask=(row + 8 < N) & (a_row < M))
-    gl.store(
-        c_ptrs + stride_cm + 8, out3.to(dtype), mask=(row + 8 < N) & (a_row + 1 < M)
-    )
+    for b in gl.static_range(A_BLOCKS):
+        # Sum the K slices; lane (g, t) holds rows g, g + 8 of the block's A
+        # rows 2t, 2t + 1.
+        acc0, acc1, acc2, acc3 = blocks[b]
+        out0 = gl.reduce(acc0, 0, add)
+        out1 = gl.reduce(acc1, 0, add)
+        out2 = gl.reduce(acc2, 0, add)
+        out3 = gl.reduce(acc3, 0, add)
+        a_row = 8 * b + 2 * (lane2 % 4)
+        c_ptrs = c_ptr + a_row * stride_cm + row
+        gl.store(c_ptrs, out0.to(dtype), mask=(row < N) & (a_row < M))
+        gl.store(c_ptrs + stride_cm, out1.to(dtype), mask=(row < N) & (a_row + 1 < M))
+        gl.store(c_ptrs + 8, out2.to(dtype), mask=(row + 8 < N) & (a_row < M))
+        gl.store(
+            c_ptrs + stride_cm + 8,
+            out3.to(dtype),
+            mask=(row + 8 < N) & (a_row + 1 < M),
+        )
 
 
 def launch_mma_gemv(
@@ -489,6 +541,7 @@ def launch_mma_gemv(
         TILES_PER_WARP=cfg.tiles_per_warp,
         K_SPLIT=cfg.k_split,
         DEPTH=cfg.depth,
+        A_BLOCKS=1 if m <= 8 else 2,
         FP16=a.dtype == torch.float16,
         PDL=launch_pdl,
         num_warps=cfg.num_warps,

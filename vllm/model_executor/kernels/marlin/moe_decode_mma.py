@@ -243,10 +243,10 @@ def _gated_mma_kernel(
             w_expert + gate_row.to(gl.int64) * stride_wn,
             w_expert + up_row.to(gl.int64) * stride_wn,
             s_expert + gate_row * stride_sn, s_expert + up_row * stride_sn,
-            x_row + t * 16 + gl.zeros_like(ks), ks + gl.zeros_like(lane),
+            (x_row + t * 16 + gl.zeros_like(ks),), ks + gl.zeros_like(lane),
             K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, False,
             NIBBLES_IN_ORDER, DEPTH,
-        )  # fmt: skip
+        )[0]  # fmt: skip
         gate = gl.reduce(gate, 0, add)
         up = gl.reduce(up, 0, add)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
@@ -296,9 +296,9 @@ def _route_sums(
     lo, _, hi, _ = mma_rows(
         w_rows_lo + expert_64 * stride_we, w_rows_hi + expert_64 * stride_we,
         s_rows_lo + expert_64 * stride_se, s_rows_hi + expert_64 * stride_se,
-        act_row + t * 16, gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
+        (act_row + t * 16,), gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
         GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER, DEPTH,
-    )  # fmt: skip
+    )[0]  # fmt: skip
     # A select, not a product: act rows of routes without an expert are
     # never written (they may hold anything, NaN included).
     keep = (in_range & (expert >= 0))[:, None, :]
