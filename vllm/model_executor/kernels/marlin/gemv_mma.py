@@ -61,12 +61,15 @@ MAX_DEPTH = 8  # K steps of weights in flight per warp (registers)
 @dataclass(frozen=True)
 class MmaGemvConfig:
     """16-row weight tiles per program, of them per warp, warps over each
-    tile's K steps, and K steps of weights each warp keeps in flight."""
+    tile's K steps, and K steps of weights each warp keeps in flight (1:
+    the next step's only. Deeper costs registers, and on the H200 at 8192
+    x 8192 the fewer programs per SM then no longer hold the grid in one
+    wave: 20.4 against 13.4 us at depth 2)."""
 
     row_tiles: int
     tiles_per_warp: int
     k_split: int
-    depth: int = 2
+    depth: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -92,11 +95,15 @@ def rows_aligned(t: torch.Tensor) -> bool:
 def mma_gemv_applies(m: int, n: int, k: int) -> bool:
     """Whether ``marlin_gemm`` takes this kernel by default (where
     :func:`runs_mma`). Measured on the H200 (benchmarks/RESULTS.md, the
-    twenty-fourth session): from 3 rows it beats the tensor-core GEMM 1.4-2.8x
-    and the CUDA-core GEMV; at 1-2 rows it wins on large weights (8192 x
-    8192: 13.1 against 16.3 us at one row) and loses on small ones (2048 x
-    4096: 4.8 against 3.9)."""
-    return 3 <= m <= 8 or (m <= 2 and n * k >= 1 << 25)
+    twenty-fourth and -fifth sessions): at 3-8 rows it beats the tensor-core
+    GEMM 1.4-2.8x and the CUDA-core GEMV; at 1-2 rows it wins on large
+    weights (8192 x 8192: 13.1 against 16.3 us at one row) and loses on
+    small ones (2048 x 4096: 4.8 against 3.9); at 16 rows it wins on small
+    ones (2048 x 4096: 7.9 against 16.4 us), ties at 5120 x 2048 (8.8
+    against 9.1) and loses on large ones (8192 x 8192: 27.6 against 22.6)."""
+    if m <= 2:
+        return n * k >= 1 << 25
+    return m <= 8 or (m <= MMA_GEMV_MAX_M and n * k <= 1 << 23)
 
 
 def default_mma_gemv_config(n: int) -> MmaGemvConfig:
@@ -360,7 +367,7 @@ def mma_rows(
     FP16: gl.constexpr,
     PDL: gl.constexpr,  # wait for the previous kernel after the first words
     NIBBLES_IN_ORDER: gl.constexpr = False,  # W4A8's packing (see _load_x)
-    DEPTH: gl.constexpr = 2,  # K steps of words in flight (MAX_DEPTH)
+    DEPTH: gl.constexpr = 1,  # K steps of words in flight (MAX_DEPTH)
 ):
     """The K loop: per block of A rows, fp32 [S, R, 32] x 4, each warp
     slice's scaled sums of its steps; lane (g, t) holds rows g (0, 1) and

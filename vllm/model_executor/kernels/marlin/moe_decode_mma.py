@@ -79,8 +79,8 @@ class MmaMoeDecodeConfig:
     down_row_tiles: int
     down_tiles_per_warp: int
     down_route_split: int
-    gated_depth: int = 2
-    down_depth: int = 2
+    gated_depth: int = 1
+    down_depth: int = 1
 
 
 def default_mma_moe_decode_config(tokens: int = 2) -> MmaMoeDecodeConfig:

@@ -90,15 +90,17 @@ def test_op_matches_dequantized_reference(workspace_init, m, n, k, group_size, d
 def test_poisoned_locks_give_wrong_results(workspace_init):
     """Why the buffer must be zero at launch: a stale counter reorders slices."""
     torch.manual_seed(1)
-    n, k = 256, 8192  # few output tiles, long K: split-K is active
+    # Few output tiles, long K: split-K is active; 17 rows, past the decode
+    # kernels (which take no locks).
+    m, n, k = 17, 256, 8192
     _, packed, scales = make_weights(n, k, 128, torch.bfloat16, "cuda")
-    a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = a.float() @ marlin_dequantize(packed, scales, 128).float().t()
     clean = marlin_make_workspace_new("cuda")
     assert relative_error(marlin_op(a, packed, scales, 128, n, k, clean), ref) < 1e-2
     # Every counter at the last slice's number: that slice goes first, then
     # resets the counter and slice 0 overwrites its partial sum.
-    split = default_config(1, n, k, torch.device("cuda")).split_k
+    split = default_config(m, n, k, torch.device("cuda")).split_k
     assert split > 1
     poisoned = marlin_make_workspace_new("cuda").fill_(split - 1)
     out = marlin_op(a, packed, scales, 128, n, k, poisoned)
