@@ -60,6 +60,7 @@ from vllm.model_executor.kernels.marlin import moe_decode
 from vllm.model_executor.kernels.marlin.gemv_mma import (
     MMA_GEMV_MAX_M,
     default_mma_gemv_config,
+    rows_aligned,
 )
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     default_mma_moe_decode_config,
@@ -105,8 +106,9 @@ def _uint4_on_tensor_cores() -> None:
     real_gemm = marlin_utils.marlin_gemm
 
     def gemm(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if a.shape[0] <= MMA_GEMV_MAX_M:
-            kwargs["config"] = default_mma_gemv_config(a.shape[1])
+        if a.shape[0] <= MMA_GEMV_MAX_M and rows_aligned(a):
+            m, n = a.shape[0], kwargs["size_n"]
+            kwargs["config"] = default_mma_gemv_config(n, m)
         return real_gemm(a, *args, **kwargs)
 
     marlin_utils.marlin_gemm = gemm  # type: ignore[assignment]

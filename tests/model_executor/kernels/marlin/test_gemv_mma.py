@@ -142,8 +142,9 @@ def test_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 13, MMA_GEMV_MAX_M])
 @pytest.mark.parametrize(
     "config",
-    # depth 1 (no ring), the default 2, and 5: more than a slice's steps
-    [MmaGemvConfig(1, 1, 1, 1), MmaGemvConfig(2, 1, 2), MmaGemvConfig(2, 2, 4),
+    # depth 1 (the default), 2 (the ring turns where a slice has 3 or more
+    # steps), 5 (more than a slice's steps in the shapes below)
+    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 1, 2, 2), MmaGemvConfig(2, 2, 4),
      MmaGemvConfig(4, 2, 2, 5)],
     ids=str,
 )  # fmt: skip
@@ -190,12 +191,13 @@ def test_activations_far_from_zero_mean(device, dtype):
         _check(out, exact, _bound(a, scales, 128, bound))
 
 
+@pytest.mark.parametrize("m", [3, 12])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_rows_of_a_and_out_with_a_stride(device, dtype):
+def test_rows_of_a_and_out_with_a_stride(device, dtype, m):
     """A and out as views with row strides past K and N: only their own
-    columns are read and written."""
+    columns are read and written (12 rows: in both blocks of A)."""
     _cuda(device)
-    m, n, k = 3, 48, 384
+    n, k = 48, 384
     a, packed, scales, exact, bound = _problem(m, n, k, 128, dtype, device)
     wide = torch.full((m, k + 128), float("inf"), dtype=a.dtype, device=device)
     wide[:, :k] = a
@@ -243,13 +245,14 @@ def test_bad_arguments_raise(device):
             call(a[:1], config=MmaGemvConfig(1, 1, 1))
 
 
-@pytest.mark.parametrize("m", [2, 5])
-def test_default_path_takes_unaligned_rows_elsewhere(device, m):
+@pytest.mark.parametrize(
+    "m, n, k", [(2, 4096, 8192), (5, 4096, 8192), (12, 1024, 2048)]
+)
+def test_default_path_takes_unaligned_rows_elsewhere(device, m, n, k):
     """An A 2 bytes off 16-byte alignment, or with 8-byte rows, is no error
     for ``marlin_gemm`` without a config: it goes to a kernel that reads it.
-    N x K is large enough that the tensor cores would take aligned rows; the
+    Each size is one the tensor cores would take with aligned rows; the
     tolerance is the tile GEMM's (bf16 weights, ``test_gemm.py``)."""
-    n, k = 4096, 8192
     if device.type == "cpu":
         n, k = 16, 256  # the interpreter: only the fallback's result is checked
     a, packed, scales, exact, _ = _problem(m, n, k, 128, torch.bfloat16, device)

@@ -229,23 +229,41 @@ def test_bad_inputs_raise(device):
 
 
 def test_default_path_takes_unaligned_rows_elsewhere(device):
-    """Without a config, tokens 2 bytes off 16-byte alignment go to the
-    CUDA-core kernels instead of raising."""
+    """Without a config, tokens 2 bytes off 16-byte alignment, or an ``act``
+    scratch with 8-byte rows, go to the CUDA-core kernels instead of raising
+    (on a CPU only that path's result is checked)."""
     tokens, hidden, inter, experts, topk = 3, 256, 128, 4, 2
     dtype = torch.float16
     w13, s13, w2, s2 = _weights(experts, hidden, inter, dtype, device)
     x = torch.randn(tokens, hidden, device=device).to(dtype) / 4
     shifted = torch.zeros(tokens * hidden + 1, dtype=dtype, device=device)
-    x_view = shifted[1:].view(tokens, hidden)
-    x_view.copy_(x)
+    x_shifted = shifted[1:].view(tokens, hidden)
+    x_shifted.copy_(x)
     ids = torch.tensor([[0, 3], [1, 1], [2, 0]], dtype=torch.int32, device=device)
     tw = torch.rand(tokens, topk, device=device)
-    act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
-    out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
     args = (ids, tw, w13, s13, w2, s2, None, "silu", 128)
-    marlin_moe_decode(x_view, *args, act, out)
-    ref = marlin_moe_decode_reference(x, *args, act.clone(), torch.empty_like(out))
-    _close(out, ref, TOLERANCE[dtype])
+    act = torch.full((tokens * topk, inter), POISON, dtype=dtype, device=device)
+    ref = marlin_moe_decode_reference(x, *args, act, torch.empty_like(x))
+    wide = torch.full((tokens * topk, inter + 4), POISON, dtype=dtype, device=device)
+    for x_in, act_in in ((x_shifted, act), (x, wide[:, :inter])):
+        out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
+        marlin_moe_decode(x_in, *args, act_in, out)
+        _close(out, ref, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("w4a8", [False, True], ids=["marlin", "w4a8"])
+def test_rings_deeper_than_one_step(device, w4a8):
+    """Depths 2 and 3 where the ring turns: GEMM1 4 K steps in one warp,
+    GEMM2 5 (inter 640) per route."""
+    _cuda(device)
+    config = MmaMoeDecodeConfig(1, 1, 1, 1, 1, 2, gated_depth=2, down_depth=3)
+    out, ref, act, ids, _ = _run(
+        2, 512, 640, 4, 3, torch.bfloat16, device, "swiglu" if w4a8 else "silu",
+        config=config, w4a8=w4a8,
+    )  # fmt: skip
+    _close(out, ref, TOLERANCE[torch.bfloat16])
+    untouched = ~_local(ids, 4, None).flatten().to(device)
+    assert bool(torch.isnan(act[untouched]).all())
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

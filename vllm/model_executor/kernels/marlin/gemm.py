@@ -153,7 +153,8 @@ def marlin_gemm(
     :class:`GemvConfig`) the CUDA-core kernel of :mod:`.gemv` runs; where
     :func:`~.gemv_mma.mma_gemv_applies` on NVIDIA GPUs (or with an
     :class:`MmaGemvConfig`) the tensor-core one of :mod:`.gemv_mma`, up to 16
-    rows; both leave the workspace alone.
+    rows (by default only where A's and the weights' rows are 16-byte
+    aligned); both leave the workspace alone.
     """
     check_marlin_args(
         a,
@@ -175,7 +176,7 @@ def marlin_gemm(
         and rows_aligned(a)
         and rows_aligned(b_packed)
     ):
-        config = default_mma_gemv_config(size_n)
+        config = default_mma_gemv_config(size_n, m)
     if isinstance(config, MmaGemvConfig):
         launch_mma_gemv(a, b_packed, scales, out, group_size, config)
         return out

@@ -86,10 +86,12 @@ def runs_mma(device: torch.device) -> bool:
 
 
 def rows_aligned(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows start on 16-byte boundaries, as the tensor-core
-    kernels' vector loads need (a default path falls back where not)."""
-    row_bytes = t.stride(0) * t.element_size()
-    return t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or row_bytes % 16 == 0)
+    """Whether ``t``'s rows (along its last dimension but one) start on
+    16-byte boundaries, as the tensor-core kernels' vector loads need (a
+    default path falls back where not). Of stacked experts' weights only
+    the rows: their callers require them contiguous."""
+    row_bytes = t.stride(-2) * t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.shape[-2] <= 1 or row_bytes % 16 == 0)
 
 
 def mma_gemv_applies(m: int, n: int, k: int) -> bool:
@@ -98,20 +100,23 @@ def mma_gemv_applies(m: int, n: int, k: int) -> bool:
     twenty-fourth and -fifth sessions): at 3-8 rows it beats the tensor-core
     GEMM 1.4-2.8x and the CUDA-core GEMV; at 1-2 rows it wins on large
     weights (8192 x 8192: 13.1 against 16.3 us at one row) and loses on
-    small ones (2048 x 4096: 4.8 against 3.9); at 16 rows it wins on small
-    ones (2048 x 4096: 7.9 against 16.4 us), ties at 5120 x 2048 (8.8
-    against 9.1) and loses on large ones (8192 x 8192: 27.6 against 22.6)."""
+    small ones (2048 x 4096: 4.8 against 3.9); at 16 rows (depth 1) it wins
+    on small ones (2048 x 4096: 7.9 against 16.4 us) and loses from 5120 x
+    2048 up (10.1 against 9.1; 8192 x 8192: 32.0 against 22.6)."""
     if m <= 2:
         return n * k >= 1 << 25
     return m <= 8 or (m <= MMA_GEMV_MAX_M and n * k <= 1 << 23)
 
 
-def default_mma_gemv_config(n: int) -> MmaGemvConfig:
+def default_mma_gemv_config(n: int, m: int = 1) -> MmaGemvConfig:
     """One tile a program and warp, K split over ``65536 / N`` warps (a power
-    of two, at most 16): the fastest or within 5-10% of it on 5120 x 2048,
-    2048 x 4096, 8192 x 8192 and 28672 x 4096 at 1-8 rows (H200)."""
+    of two, at most 16; at most 8 for ``m`` past 8 rows, whose two blocks
+    double the registers): the fastest or within 5-10% of it on 5120 x
+    2048, 2048 x 4096, 8192 x 8192 and 28672 x 4096 at 1-8 rows, and on
+    2048 x 4096 at 16 (H200)."""
+    most = 16 if m <= 8 else 8
     k_split = 1
-    while k_split < 16 and 2 * k_split * n <= 65536:
+    while k_split < most and 2 * k_split * n <= 65536:
         k_split *= 2
     return MmaGemvConfig(1, 1, k_split)
 

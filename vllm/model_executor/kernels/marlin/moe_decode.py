@@ -381,7 +381,8 @@ def marlin_moe_decode(
     [E, H, I // 2], fp32 scales [E, N, groups], ``group_size`` 128); ``act``
     [>= T * topk, I] is scratch. Returns ``out``. An
     :class:`~.moe_decode_mma.MmaMoeDecodeConfig` runs the tensor-core kernels,
-    the default from 2 tokens on NVIDIA GPUs (sm_80+)."""
+    the default from 2 tokens on NVIDIA GPUs (sm_80+) where the rows of
+    ``x``, ``act`` and the weights are 16-byte aligned."""
     check_decode_routing(x, topk_ids, topk_weights)
     topk = topk_ids.shape[1]
     check_decode_args(x, topk, w13, w13_scales, w2, w2_scales, expert_map, activation,
