@@ -60,8 +60,8 @@ from vllm.model_executor.kernels.marlin import moe_decode
 from vllm.model_executor.kernels.marlin.gemv_mma import (
     MMA_GEMV_MAX_M,
     default_mma_gemv_config,
-    rows_aligned,
 )
+from vllm.model_executor.kernels.marlin.mma_rows import rows_aligned
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     default_mma_moe_decode_config,
 )

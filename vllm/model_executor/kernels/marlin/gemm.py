@@ -35,13 +35,12 @@ from vllm.model_executor.kernels.marlin.gemv_mma import (
     default_mma_gemv_config,
     launch_mma_gemv,
     mma_gemv_applies,
-    rows_aligned,
-    runs_mma,
 )
 from vllm.model_executor.kernels.marlin.kernels import (
     _marlin_gemm_grouped_kernel,
     _marlin_gemm_kernel,
 )
+from vllm.model_executor.kernels.marlin.mma_rows import rows_aligned, runs_mma
 
 
 def _check_problem(a: torch.Tensor, group_size: int, size_n: int, size_k: int) -> int:

@@ -62,7 +62,7 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows, inline_ptx
-from vllm.model_executor.kernels.marlin.gemv_mma import rows_aligned, runs_mma
+from vllm.model_executor.kernels.marlin.mma_rows import rows_aligned, runs_mma
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     default_mma_moe_decode_config,

@@ -1,5 +1,5 @@
 """The uint4 experts of a decode batch on the tensor cores: the two kernels
-of :mod:`.moe_decode` with the K loop of :func:`.gemv_mma.mma_rows`
+of :mod:`.moe_decode` with the K loop of :func:`.mma_rows.mma_rows`
 (``mma.sync`` on weights unpacked into each lane's fragment) instead of the
 CUDA-core products. Both packings :mod:`.moe_decode` reads (MarlinExperts';
 TritonExpertsW4A8's, its activations paired to its nibbles' column order),
@@ -55,7 +55,7 @@ from vllm.model_executor.kernels.common.topk_softmax import (
     route_keys,
 )
 from vllm.model_executor.kernels.marlin.config import TILE_K
-from vllm.model_executor.kernels.marlin.gemv_mma import (
+from vllm.model_executor.kernels.marlin.mma_rows import (
     check_depth,
     check_warp_tiles,
     mma_rows,
