@@ -102,10 +102,15 @@ def compile_kernels() -> None:
                 mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}"
                 sass = _sass(compiled.asm["cubin"])
                 before, _, after = sass.partition("ACQBULK")
-                loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
+                loads = [before.count(_WORDS[cfg.depth > 1]), after.count("LDG.E.128")]
                 mmas = compiled.asm["ptx"].count(mma)
                 built = [cfg.tiles_per_warp, cfg.depth, blocks, mmas, loads]
                 print(COMPILED, json.dumps(built))
+
+
+# The 16-byte word loads: into registers at depth 1, deeper into the shared
+# ring (cp.async).
+_WORDS = ("LDG.E.128", "LDGSTS.E.BYPASS.128")
 
 
 def _sass(cubin: bytes) -> str:
@@ -128,8 +133,9 @@ def test_compiles_for_sm90_without_a_gpu():
     """Each build holds one K step's MMAs (8 per row tile of a warp, 8 for
     the offset, each for every block of 8 rows of A) and, as ptxas schedules
     it, loads the first ``depth`` steps' words of rows g and g + 8 of each
-    tile before the PDL wait, the activations only after it (the PDL
-    contract, :mod:`~.common.pdl`)."""
+    tile before the PDL wait (into registers at depth 1, deeper by cp.async
+    into shared memory), the activations only after it (the PDL contract,
+    :mod:`~.common.pdl`)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 8
     for tiles_per_warp, depth, blocks, mmas, (before_wait, after_wait) in builds:

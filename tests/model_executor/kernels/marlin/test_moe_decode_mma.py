@@ -20,7 +20,7 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
 )
-from tests.model_executor.kernels.marlin.test_gemv_mma import _sass
+from tests.model_executor.kernels.marlin.test_gemv_mma import _WORDS, _sass
 from tests.model_executor.kernels.marlin.test_moe_decode import (
     POISON,
     _close,
@@ -107,10 +107,13 @@ def compile_kernels() -> None:
                 for name in args
             }
             signature |= dict.fromkeys(consts, "constexpr")
+            # As a launch specializes them (the weights' strides are multiples
+            # of K / 8 words, K of 128): the ring's copies are 16 bytes.
             aligned = {
                 (i,): [["tt.divisibility", 16]]
                 for i, name in enumerate(args)
-                if name.endswith("_ptr") or name in ("K", "inter", "hidden")
+                if name.endswith("_ptr")
+                or name in ("K", "inter", "hidden", "stride_we", "stride_wn")
             }
             source = GluonASTSource(kernel, signature, constexprs=consts, attrs=aligned)
             compiled = triton.compile(
@@ -119,7 +122,7 @@ def compile_kernels() -> None:
             ab = "f16" if fp16 else "bf16"
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
             before, _, after = _sass(compiled.asm["cubin"]).partition("ACQBULK")
-            loads = [before.count("LDG"), before.count("LDG.E.128")]
+            loads = [before.count("LDG"), before.count(_WORDS[cfg.down_depth > 1])]
             loads.append(after.count("LDG.E.128"))
             print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))
 
@@ -129,7 +132,8 @@ def test_compiles_for_sm90_without_a_gpu():
     the PDL wait before any load (the routing is the previous kernel's).
     GEMM2 (one tile a warp, the first route peeled): 2 x 16 MMAs, and the
     first route's words of rows g and g + 8 for its first 3 K steps (its
-    depth) loaded before the wait (with the routing, two launches back)."""
+    depth: copied into the shared ring) loaded before the wait (with the
+    routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 16
     for name, mmas, (loads_before, words_before, words_after) in builds:

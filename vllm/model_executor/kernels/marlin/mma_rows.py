@@ -31,23 +31,35 @@ threads or through shared memory:
   the step's MMAs sum into a fresh accumulator that is then scaled into the
   total (the weights stay exact; the products sum in fp32).
 
-Each warp keeps ``depth`` steps' words in flight (a ring: HBM's latency
-over a few steps per warp) and the next step's activations; the first
-``depth`` steps' words load before the PDL wait (plain loads: ptxas hoists
-the wait above non-coherent ones). Steps past K repeat the last one and
-are scaled by zero.
+Each warp keeps ``depth`` steps' words in flight and the next step's
+activations; the first ``depth`` steps' words load before the PDL wait
+(plain loads: ptxas hoists the wait above non-coherent ones). Steps past K
+repeat the last one and are scaled by zero.
+
+- Depth 1 holds the next step's words in registers.
+- Deeper, the words go through a ring of ``depth + 1`` slots in shared
+  memory filled by ``cp.async`` (16 bytes a lane, no registers held while in
+  flight), the scales one step ahead in registers. A ring in registers cost
+  12 registers a step (sm_90: 68 at depth 2 against 56), so that an SM held
+  3 programs instead of 4; and ptxas, keeping under its register target,
+  sank the next step's loads (and the activations' and scales') to the end
+  of the step before their use, so that a step waited on HBM whatever the
+  depth. The ring's copies stay where they are issued (60 registers at
+  depths 2-8); its cost is two CTA barriers a step (Gluon's, around the
+  shared slots).
 """
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from vllm import envs
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
 
-MAX_DEPTH = 8  # K steps of weights in flight per warp (registers)
+MAX_DEPTH = 8  # K steps of weights in flight per warp
 
 
 def runs_mma(device: torch.device) -> bool:
@@ -129,6 +141,11 @@ _MMA_FP16 = gl.constexpr(_mma_asm("f16"))
 
 # 16 bytes per thread. Not ld.global.nc: ptxas moves a PDL wait above those.
 _LOAD_V4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
+# cp.async of a pointer tensor into a shared buffer; Triton 3.9 renamed it
+# (3.6, the GPU machine's, has only the old name).
+_async_load = getattr(async_copy, "async_load", None) or (
+    async_copy.async_copy_global_to_shared
+)
 _TILE_K = gl.constexpr(TILE_K)
 _STEP_WORDS = gl.constexpr(TILE_K // PACK)  # packed words per row and K step
 
@@ -149,6 +166,84 @@ def _step_words(w_lo, w_hi, step, steps):
     last again)."""
     step = gl.minimum(step, steps - 1)[:, None, :] * _STEP_WORDS
     return _load_words(w_lo + step), _load_words(w_hi + step)
+
+
+@gluon.jit
+def _ring_ptrs(w, layout4: gl.constexpr):
+    """[S, R, 32, 4] pointers to the lane's 4 words (``w``: the first)."""
+    words: gl.constexpr = gl.SliceLayout(
+        0, gl.SliceLayout(1, gl.SliceLayout(2, layout4))
+    )
+    word = gl.arange(0, 4, layout=words)
+    w = gl.convert_layout(w, gl.SliceLayout(3, layout4), assert_trivial=True)
+    return w[:, :, :, None] + word[None, None, None, :]
+
+
+@gluon.jit
+def _ring(w_lo, w_hi, first, steps, STEP_STRIDE: gl.constexpr, DEPTH: gl.constexpr):
+    """The shared ring of ``DEPTH + 1`` slots of words, the first ``DEPTH``
+    steps' copies issued: (slots of rows g, of rows g + 8, their [S, R, 32,
+    4] sources: ``w_lo``'s layout with a lane's 4 words minor)."""
+    p: gl.constexpr = w_lo.type.layout
+    layout4: gl.constexpr = gl.BlockedLayout(
+        [p.size_per_thread[0], p.size_per_thread[1], p.size_per_thread[2], 4],
+        [p.threads_per_warp[0], p.threads_per_warp[1], p.threads_per_warp[2], 1],
+        [p.warps_per_cta[0], p.warps_per_cta[1], p.warps_per_cta[2], 1],
+        [3, 2, 1, 0],
+    )
+    shape: gl.constexpr = [DEPTH + 1, first.shape[0], w_lo.shape[1], 32, 4]
+    slots: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+    ring = (
+        gl.allocate_shared_memory(gl.int32, shape, slots),
+        gl.allocate_shared_memory(gl.int32, shape, slots),
+        _ring_ptrs(w_lo, layout4),
+        _ring_ptrs(w_hi, layout4),
+    )
+    for d in gl.static_range(DEPTH):
+        _ring_fill(ring, first + d * STEP_STRIDE, steps, d)
+    return ring
+
+
+@gluon.jit
+def _ring_fill(ring, step, steps, slot):
+    """Copy the words of rows g and g + 8 at K step ``step`` ([S, 32]; past
+    the last: the last again) into slot ``slot``, as one group."""
+    slots_lo, slots_hi, w_lo4, w_hi4 = ring
+    step = gl.convert_layout(
+        gl.minimum(step, steps - 1)[:, None, :],
+        gl.SliceLayout(3, w_lo4.type.layout),
+        assert_trivial=True,
+    )[:, :, :, None]
+    _async_load(slots_lo.index(slot), w_lo4 + step * _STEP_WORDS)
+    _async_load(slots_hi.index(slot), w_hi4 + step * _STEP_WORDS)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _slot_words(slots, slot, layout4: gl.constexpr, layout: gl.constexpr):
+    """The four words a lane copied into ``slots[slot]``, each in
+    ``layout`` (one 16-byte shared load; the splits move nothing)."""
+    w = slots.index(slot).load(layout4)
+    evens, odds = gl.split(gl.reshape(w, [w.shape[0], w.shape[1], w.shape[2], 2, 2]))
+    w0, w2 = gl.split(evens)
+    w1, w3 = gl.split(odds)
+    return (
+        gl.convert_layout(w0, layout, assert_trivial=True),
+        gl.convert_layout(w1, layout, assert_trivial=True),
+        gl.convert_layout(w2, layout, assert_trivial=True),
+        gl.convert_layout(w3, layout, assert_trivial=True),
+    )
+
+
+@gluon.jit
+def _ring_words(ring, slot, layout: gl.constexpr):
+    """The words of rows g and g + 8 in slot ``slot``."""
+    slots_lo, slots_hi, w_lo4, _ = ring
+    layout4: gl.constexpr = w_lo4.type.layout
+    return (
+        _slot_words(slots_lo, slot, layout4, layout),
+        _slot_words(slots_hi, slot, layout4, layout),
+    )
 
 
 @gluon.jit
@@ -307,6 +402,21 @@ def _load_xs(x_rows, step, NIBBLES_IN_ORDER: gl.constexpr):
 
 
 @gluon.jit
+def _step_scales(s_lo, s_hi, step, steps, stride_sg, GROUP_SIZE: gl.constexpr):
+    """Rows g's and g + 8's scales at K step ``step`` ([S, 32]; 1 where the
+    scales are per channel, applied after the loop; 0 past the last step)."""
+    valid = (step < steps)[:, None, :]
+    if GROUP_SIZE > 0:
+        group = gl.minimum(step, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
+        scale_lo = gl.load(s_lo + group * stride_sg).to(gl.float32)
+        scale_hi = gl.load(s_hi + group * stride_sg).to(gl.float32)
+    else:
+        scale_lo = 1.0
+        scale_hi = 1.0
+    return gl.where(valid, scale_lo, 0.0), gl.where(valid, scale_hi, 0.0)
+
+
+@gluon.jit
 def mma_rows(
     w_lo,  # [S, R, 32] int32 pointers: rows g of R tiles, lane t's first word
     w_hi,  # the same for rows g + 8
@@ -327,38 +437,48 @@ def mma_rows(
     slice's scaled sums of its steps; lane (g, t) holds rows g (0, 1) and
     g + 8 (2, 3) of the block's A rows 2t and 2t + 1. A slice's steps past
     the last repeat the last one and are scaled by zero."""
-    # A ring of the next DEPTH steps' words (HBM's latency), activations one
-    # step ahead; the first DEPTH steps' words load before the PDL wait.
-    ring = (_step_words(w_lo, w_hi, first, steps),)
-    for d in gl.static_range(1, DEPTH):
-        ring = append(ring, _step_words(w_lo, w_hi, first + d * STEP_STRIDE, steps))
+    layout: gl.constexpr = w_lo.type.layout
+    # The first DEPTH steps' words load before the PDL wait; activations
+    # one step ahead.
+    if DEPTH == 1:
+        words = _step_words(w_lo, w_hi, first, steps)
+    else:
+        ring = _ring(w_lo, w_hi, first, steps, STEP_STRIDE, DEPTH)
     gluon_pdl_wait(PDL)
     xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
-    zero = gl.zeros_like(ring[0][0][0], dtype=gl.float32)
+    if DEPTH > 1:
+        scales = _step_scales(s_lo, s_hi, first, steps, stride_sg, GROUP_SIZE)
+    zero = gl.zeros([first.shape[0], w_lo.shape[1], 32], gl.float32, layout)
     accs = ()
     for _ in gl.static_range(len(x_rows)):
         accs = append(accs, (zero, zero, zero, zero))
     for i in range(0, gl.cdiv(steps, STEP_STRIDE)):
         here = first + i * STEP_STRIDE
-        lo, hi = ring[0]
-        newest = _step_words(w_lo, w_hi, here + DEPTH * STEP_STRIDE, steps)
-        ring = append(ring[1:], newest)
-        xs_next = _load_xs(
-            x_rows, gl.minimum(here + STEP_STRIDE, steps - 1), NIBBLES_IN_ORDER
-        )
-        cs = _step(lo, hi, xs, FP16)
-        valid = (here < steps)[:, None, :]
-        if GROUP_SIZE > 0:
-            group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
-            scale_lo = gl.load(s_lo + group * stride_sg).to(gl.float32)
-            scale_hi = gl.load(s_hi + group * stride_sg).to(gl.float32)
+        ahead = here + STEP_STRIDE
+        if DEPTH == 1:
+            lo, hi = words
+            words = _step_words(w_lo, w_hi, ahead, steps)
         else:
-            scale_lo = 1.0
-            scale_hi = 1.0
-        scale_lo = gl.where(valid, scale_lo, 0.0)
-        scale_hi = gl.where(valid, scale_hi, 0.0)
+            # Into the slot that every warp read a step ago (Gluon puts a
+            # barrier between).
+            _ring_fill(
+                ring, here + DEPTH * STEP_STRIDE, steps, (i + DEPTH) % (DEPTH + 1)
+            )
+            async_copy.wait_group(DEPTH)
+            lo, hi = _ring_words(ring, i % (DEPTH + 1), layout)
+            scale_lo, scale_hi = scales
+            scales = _step_scales(s_lo, s_hi, ahead, steps, stride_sg, GROUP_SIZE)
+        xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
+        cs = _step(lo, hi, xs, FP16)
+        if DEPTH == 1:
+            scale_lo, scale_hi = _step_scales(
+                s_lo, s_hi, here, steps, stride_sg, GROUP_SIZE
+            )
         accs = _sum(accs, _scaled(cs, scale_lo, scale_hi))
         xs = xs_next
+    if DEPTH > 1:
+        # The last steps' copies (repeats) land before the memory is reused.
+        async_copy.wait_group(0)
     unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
     if GROUP_SIZE < 0:
         scale_lo = gl.load(s_lo).to(gl.float32) * unit_inv

@@ -71,7 +71,7 @@ class MmaMoeDecodeConfig:
     """GEMM1's 16-row tiles (8 gate/up column pairs each) per program, of
     them per warp, and warps over K; GEMM2's 16-column tiles per program,
     of them per warp, and warps over the token's routes; each GEMM's K
-    steps of weights in flight per warp."""
+    steps of weights in flight per warp (as ``MmaGemvConfig.depth``)."""
 
     gated_row_tiles: int
     gated_tiles_per_warp: int
