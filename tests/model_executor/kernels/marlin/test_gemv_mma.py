@@ -249,6 +249,9 @@ def test_bad_arguments_raise(device):
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaGemvConfig runs compiled"):
             call(a[:1], config=MmaGemvConfig(1, 1, 1))
+    else:  # 64 warp tiles: a ring of 9 x 64 KB
+        with pytest.raises(ValueError, match="config: depth 8 over 64 warp tiles"):
+            call(a[:1], config=MmaGemvConfig(4, 4, 16, 8))
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from vllm.model_executor.kernels.marlin.mma_rows import (
     check_depth,
     check_warp_tiles,
     mma_rows,
+    ring_fits,
     rows_aligned,
     runs_mma,
 )
@@ -196,26 +197,28 @@ def launch_mma_gemv(
             f"capability 8.0 or later (mma.sync), not on {a.device}"
         )
     launch_pdl = pdl(a.device)
-    _mma_gemv_kernel[(-(-n // (16 * cfg.row_tiles)),)](
-        a,
-        b_packed,
-        scales,
-        out,
-        m,
-        n,
-        k,
-        a.stride(0),
-        b_packed.stride(0),
-        scales.stride(0),
-        out.stride(0),
-        GROUP_SIZE=group_size,
-        ROW_TILES=cfg.row_tiles,
-        TILES_PER_WARP=cfg.tiles_per_warp,
-        K_SPLIT=cfg.k_split,
-        DEPTH=cfg.depth,
-        A_BLOCKS=1 if m <= 8 else 2,
-        FP16=a.dtype == torch.float16,
-        PDL=launch_pdl,
-        num_warps=cfg.num_warps,
-        launch_pdl=launch_pdl,
-    )
+    grid = (-(-n // (16 * cfg.row_tiles)),)
+    with ring_fits(cfg, "depth", cfg.row_tiles * cfg.k_split):
+        _mma_gemv_kernel[grid](
+            a,
+            b_packed,
+            scales,
+            out,
+            m,
+            n,
+            k,
+            a.stride(0),
+            b_packed.stride(0),
+            scales.stride(0),
+            out.stride(0),
+            GROUP_SIZE=group_size,
+            ROW_TILES=cfg.row_tiles,
+            TILES_PER_WARP=cfg.tiles_per_warp,
+            K_SPLIT=cfg.k_split,
+            DEPTH=cfg.depth,
+            A_BLOCKS=1 if m <= 8 else 2,
+            FP16=a.dtype == torch.float16,
+            PDL=launch_pdl,
+            num_warps=cfg.num_warps,
+            launch_pdl=launch_pdl,
+        )

@@ -31,25 +31,32 @@ threads or through shared memory:
   the step's MMAs sum into a fresh accumulator that is then scaled into the
   total (the weights stay exact; the products sum in fp32).
 
-Each warp keeps ``depth`` steps' words in flight and the next step's
-activations; the first ``depth`` steps' words load before the PDL wait
-(plain loads: ptxas hoists the wait above non-coherent ones). Steps past K
-repeat the last one and are scaled by zero.
+Each warp keeps ``depth`` steps' words in flight; the first ``depth``
+steps' words load before the PDL wait (plain loads: ptxas hoists the wait
+above non-coherent ones). Steps past K repeat the last one and are scaled
+by zero.
 
-- Depth 1 holds the next step's words in registers.
+- Depth 1 holds the next step's words and activations in registers. ptxas,
+  keeping under its register target (56 on sm_90 for one tile and 8
+  warps), sinks both loads from the step's top to its end, where the next
+  step waits for them at once: a step waits about one HBM latency for its
+  words, and another for its scales (loaded after its MMAs, used at once).
 - Deeper, the words go through a ring of ``depth + 1`` slots in shared
-  memory filled by ``cp.async`` (16 bytes a lane, no registers held while in
-  flight), the scales one step ahead in registers. A ring in registers cost
-  12 registers a step (sm_90: 68 at depth 2 against 56), so that an SM held
-  3 programs instead of 4; and ptxas, keeping under its register target,
-  sank the next step's loads (and the activations' and scales') to the end
-  of the step before their use, so that a step waited on HBM whatever the
-  depth. The ring's copies stay where they are issued (60 registers at
-  depths 2-8); its cost is two CTA barriers a step (Gluon's, around the
-  shared slots).
+  memory filled by ``cp.async`` (16 bytes a lane): copies in flight hold no
+  registers (60-64 at depths 2-8 with group scales; a ring in registers
+  took 12 a step, 68 at depth 2, and an SM then held 3 programs instead of
+  4), and ptxas leaves them where they are issued. A step's activations load at its top (L2),
+  which lets ptxas raise its scales' loads to the middle of its MMAs.
+  Gluon's analysis puts a CTA barrier before each copy and one after each
+  wait (each lane reads back only its own copies); a program's ring takes
+  ``(depth + 1) x 1 KB`` a warp tile (:func:`ring_fits`).
 """
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -97,6 +104,24 @@ def check_depth(config: object, name: str) -> None:
     """An error naming ``config`` unless its field ``name`` is a depth."""
     if not 1 <= getattr(config, name) <= MAX_DEPTH:
         raise ValueError(f"config: {name} must be in 1..{MAX_DEPTH}: {config}")
+
+
+@contextlib.contextmanager
+def ring_fits(config: object, name: str, tiles: int) -> Iterator[None]:
+    """Around a launch: an error naming ``config`` where its ring (field
+    ``name`` past 1; ``tiles`` warp tiles a program) takes more shared
+    memory than the device gives a program (Triton's error at the launch)."""
+    try:
+        yield
+    except triton.OutOfResources as e:
+        depth = getattr(config, name)
+        if e.name != "shared memory" or depth == 1:
+            raise
+        raise ValueError(
+            f"config: {name} {depth} over {tiles} warp tiles is a ring of "
+            f"{(depth + 1) * tiles} KB of shared memory a program, more than "
+            f"the device's {e.limit // 1024} KB: {config}"
+        ) from e
 
 
 # One word -> its four pairs, nibbles (i, i + 4) in pair i, as the 16-bit
@@ -438,16 +463,14 @@ def mma_rows(
     g + 8 (2, 3) of the block's A rows 2t and 2t + 1. A slice's steps past
     the last repeat the last one and are scaled by zero."""
     layout: gl.constexpr = w_lo.type.layout
-    # The first DEPTH steps' words load before the PDL wait; activations
-    # one step ahead.
+    # The first DEPTH steps' words load before the PDL wait.
     if DEPTH == 1:
         words = _step_words(w_lo, w_hi, first, steps)
     else:
         ring = _ring(w_lo, w_hi, first, steps, STEP_STRIDE, DEPTH)
     gluon_pdl_wait(PDL)
-    xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
-    if DEPTH > 1:
-        scales = _step_scales(s_lo, s_hi, first, steps, stride_sg, GROUP_SIZE)
+    if DEPTH == 1:  # activations a step ahead
+        xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
     zero = gl.zeros([first.shape[0], w_lo.shape[1], 32], gl.float32, layout)
     accs = ()
     for _ in gl.static_range(len(x_rows)):
@@ -458,24 +481,27 @@ def mma_rows(
         if DEPTH == 1:
             lo, hi = words
             words = _step_words(w_lo, w_hi, ahead, steps)
+            xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
         else:
-            # Into the slot that every warp read a step ago (Gluon puts a
-            # barrier between).
+            # Into the slot read a step ago (each lane reads back only its
+            # own copies; Gluon's analysis still puts a CTA barrier before
+            # the copy and one after the wait).
             _ring_fill(
                 ring, here + DEPTH * STEP_STRIDE, steps, (i + DEPTH) % (DEPTH + 1)
             )
             async_copy.wait_group(DEPTH)
             lo, hi = _ring_words(ring, i % (DEPTH + 1), layout)
-            scale_lo, scale_hi = scales
-            scales = _step_scales(s_lo, s_hi, ahead, steps, stride_sg, GROUP_SIZE)
-        xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
+            # This step's activations: loaded a step ahead, ptxas copies
+            # them into place at the step's end, waiting for them there;
+            # loaded here, they leave room for the scales' loads to rise.
+            xs = _load_xs(x_rows, gl.minimum(here, steps - 1), NIBBLES_IN_ORDER)
         cs = _step(lo, hi, xs, FP16)
-        if DEPTH == 1:
-            scale_lo, scale_hi = _step_scales(
-                s_lo, s_hi, here, steps, stride_sg, GROUP_SIZE
-            )
+        scale_lo, scale_hi = _step_scales(
+            s_lo, s_hi, here, steps, stride_sg, GROUP_SIZE
+        )
         accs = _sum(accs, _scaled(cs, scale_lo, scale_hi))
-        xs = xs_next
+        if DEPTH == 1:
+            xs = xs_next
     if DEPTH > 1:
         # The last steps' copies (repeats) land before the memory is reused.
         async_copy.wait_group(0)

@@ -59,6 +59,7 @@ from vllm.model_executor.kernels.marlin.mma_rows import (
     check_depth,
     check_warp_tiles,
     mma_rows,
+    ring_fits,
     rows_aligned,
     runs_mma,
 )
@@ -501,35 +502,39 @@ def launch_mma_moe_decode(
     block_e = triton.next_power_of_2(num_ids) if routed else 1
     block_r = triton.next_power_of_2(topk) if routed else 1
     grid1 = (tokens * topk, triton.cdiv(inter, 8 * config.gated_row_tiles))
-    _gated_mma_kernel[grid1](
-        x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
-        experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
-        w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
-        w13_scales.stride(group_dim), logits, logits.stride(0),
-        HAS_MAP=expert_map is not None, GATE_UP_INTERLEAVED=w4a8,
-        NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
-        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
-        TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
-        DEPTH=config.gated_depth,
-        FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
-        num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
-        * config.gated_k_split,
-        launch_pdl=launch_pdl,
-    )  # fmt: skip
+    tiles = config.gated_row_tiles * config.gated_k_split
+    with ring_fits(config, "gated_depth", tiles):
+        _gated_mma_kernel[grid1](
+            x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
+            experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
+            w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
+            w13_scales.stride(group_dim), logits, logits.stride(0),
+            HAS_MAP=expert_map is not None, GATE_UP_INTERLEAVED=w4a8,
+            NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+            LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
+            TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
+            DEPTH=config.gated_depth,
+            FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
+            num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
+            * config.gated_k_split,
+            launch_pdl=launch_pdl,
+        )  # fmt: skip
     grid2 = (tokens, triton.cdiv(hidden, 16 * config.down_row_tiles))
-    _down_sum_mma_kernel[grid2](
-        act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden, topk,
-        num_ids, experts, act.stride(0), ids.stride(0), weights.stride(0),
-        out.stride(0), w2.stride(0), w2.stride(1), w2_scales.stride(0),
-        w2_scales.stride(row_dim), w2_scales.stride(group_dim), logits,
-        logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
-        GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
-        TILES_PER_WARP=config.down_tiles_per_warp,
-        ROUTE_SPLIT=config.down_route_split, DEPTH=config.down_depth, FP16=fp16,
-        PDL=launch_pdl,
-        ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
-        BLOCK_R=block_r,
-        num_warps=config.down_row_tiles // config.down_tiles_per_warp
-        * config.down_route_split,
-        launch_pdl=launch_pdl,
-    )  # fmt: skip
+    tiles = config.down_row_tiles * config.down_route_split
+    with ring_fits(config, "down_depth", tiles):
+        _down_sum_mma_kernel[grid2](
+            act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden, topk,
+            num_ids, experts, act.stride(0), ids.stride(0), weights.stride(0),
+            out.stride(0), w2.stride(0), w2.stride(1), w2_scales.stride(0),
+            w2_scales.stride(row_dim), w2_scales.stride(group_dim), logits,
+            logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
+            GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
+            TILES_PER_WARP=config.down_tiles_per_warp,
+            ROUTE_SPLIT=config.down_route_split, DEPTH=config.down_depth, FP16=fp16,
+            PDL=launch_pdl,
+            ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
+            BLOCK_R=block_r,
+            num_warps=config.down_row_tiles // config.down_tiles_per_warp
+            * config.down_route_split,
+            launch_pdl=launch_pdl,
+        )  # fmt: skip
