@@ -104,8 +104,9 @@ def compile_kernels() -> None:
                 before, _, after = sass.partition("ACQBULK")
                 loads = [before.count(_WORDS[cfg.depth > 1]), after.count("LDG.E.128")]
                 mmas = compiled.asm["ptx"].count(mma)
-                built = [cfg.tiles_per_warp, cfg.depth, blocks, mmas, loads]
-                print(COMPILED, json.dumps(built))
+                prefetches = sass.count("CCTL.E.PF1")
+                built = [cfg.tiles_per_warp, cfg.depth, blocks, group_size, mmas]
+                print(COMPILED, json.dumps([*built, loads, prefetches]))
 
 
 # The 16-byte word loads: into registers at depth 1, deeper into the shared
@@ -135,13 +136,19 @@ def test_compiles_for_sm90_without_a_gpu():
     it, loads the first ``depth`` steps' words of rows g and g + 8 of each
     tile before the PDL wait (into registers at depth 1, deeper by cp.async
     into shared memory), the activations only after it (the PDL contract,
-    :mod:`~.common.pdl`)."""
+    :mod:`~.common.pdl`); deeper rings prefetch into L1."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 8
-    for tiles_per_warp, depth, blocks, mmas, (before_wait, after_wait) in builds:
+    for build in builds:
+        tiles_per_warp, depth, blocks, group_size, mmas, loads, prefetches = build
+        before_wait, after_wait = loads
         assert mmas == (8 * tiles_per_warp + 8) * blocks
         assert before_wait == 2 * depth * tiles_per_warp
         assert after_wait > 0
+        # The ring's L1 prefetches: each block's activations and (groups)
+        # each tile's two scales, for the first depth steps and in the loop.
+        reads = blocks + (2 * tiles_per_warp if group_size > 0 else 0)
+        assert prefetches == (depth + 1) * reads if depth > 1 else prefetches == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -121,9 +121,10 @@ def compile_kernels() -> None:
             )
             ab = "f16" if fp16 else "bf16"
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
-            before, _, after = _sass(compiled.asm["cubin"]).partition("ACQBULK")
+            sass = _sass(compiled.asm["cubin"])
+            before, _, after = sass.partition("ACQBULK")
             loads = [before.count("LDG"), before.count(_WORDS[cfg.down_depth > 1])]
-            loads.append(after.count("LDG.E.128"))
+            loads += [after.count("LDG.E.128"), sass.count("CCTL.E.PF1")]
             print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))
 
 
@@ -136,12 +137,13 @@ def test_compiles_for_sm90_without_a_gpu():
     routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 16
-    for name, mmas, (loads_before, words_before, words_after) in builds:
+    for name, mmas, (loads_before, words_before, words_after, prefetches) in builds:
         if name == "_gated_mma_kernel":
             assert (mmas, loads_before) == (24, 0)
         else:
             assert (mmas, words_before) == (32, 6)
         assert words_after > 0
+        assert prefetches > 0  # the ring's, into L1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -45,8 +45,11 @@ by zero.
   memory filled by ``cp.async`` (16 bytes a lane): copies in flight hold no
   registers (60-64 at depths 2-8 with group scales; a ring in registers
   took 12 a step, 68 at depth 2, and an SM then held 3 programs instead of
-  4), and ptxas leaves them where they are issued. A step's activations load at its top (L2),
-  which lets ptxas raise its scales' loads to the middle of its MMAs.
+  4), and ptxas leaves them where they are issued. The activations and
+  scales of the step ``depth`` ahead are prefetched into L1 with the copy
+  (no register either; a value loaded a step ahead into registers, ptxas
+  copies into place at the step's end and waits for it there); a step
+  loads its activations at its top and its scales amid its MMAs.
   Gluon's analysis puts a CTA barrier before each copy and one after each
   wait (each lane reads back only its own copies); a program's ring takes
   ``(depth + 1) x 1 KB`` a warp tile (:func:`ring_fits`).
@@ -242,6 +245,32 @@ def _ring_fill(ring, step, steps, slot):
     _async_load(slots_lo.index(slot), w_lo4 + step * _STEP_WORDS)
     _async_load(slots_hi.index(slot), w_hi4 + step * _STEP_WORDS)
     async_copy.commit_group()
+
+
+# Into L1 ahead of the step that reads it (no register held).
+_PREFETCH_L1 = gl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
+
+
+@gluon.jit
+def _prefetch(ptrs):
+    gl.inline_asm_elementwise(
+        _PREFETCH_L1, "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _prefetch_step(x_rows, scales, step, steps, GROUP_SIZE: gl.constexpr):
+    """Prefetch into L1 the activations and group scales (``scales``: rows
+    g's, rows g + 8's, the group stride) of K step ``step`` ([S, 32]; past
+    the last: the last's)."""
+    step = gl.minimum(step, steps - 1)
+    for b in gl.static_range(len(x_rows)):
+        _prefetch(x_rows[b] + step * (_TILE_K // 2))
+    if GROUP_SIZE > 0:
+        s_lo, s_hi, stride_sg = scales
+        group = step[:, None, :] * _TILE_K // GROUP_SIZE
+        _prefetch(s_lo + group * stride_sg)
+        _prefetch(s_hi + group * stride_sg)
 
 
 @gluon.jit
@@ -469,6 +498,10 @@ def mma_rows(
     else:
         ring = _ring(w_lo, w_hi, first, steps, STEP_STRIDE, DEPTH)
     gluon_pdl_wait(PDL)
+    if DEPTH > 1:  # the activations only now: the previous kernel's
+        for d in gl.static_range(DEPTH):
+            step = first + d * STEP_STRIDE
+            _prefetch_step(x_rows, (s_lo, s_hi, stride_sg), step, steps, GROUP_SIZE)
     if DEPTH == 1:  # activations a step ahead
         xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
     zero = gl.zeros([first.shape[0], w_lo.shape[1], 32], gl.float32, layout)
@@ -486,14 +519,14 @@ def mma_rows(
             # Into the slot read a step ago (each lane reads back only its
             # own copies; Gluon's analysis still puts a CTA barrier before
             # the copy and one after the wait).
-            _ring_fill(
-                ring, here + DEPTH * STEP_STRIDE, steps, (i + DEPTH) % (DEPTH + 1)
-            )
+            there = here + DEPTH * STEP_STRIDE
+            _ring_fill(ring, there, steps, (i + DEPTH) % (DEPTH + 1))
+            _prefetch_step(x_rows, (s_lo, s_hi, stride_sg), there, steps, GROUP_SIZE)
             async_copy.wait_group(DEPTH)
             lo, hi = _ring_words(ring, i % (DEPTH + 1), layout)
-            # This step's activations: loaded a step ahead, ptxas copies
-            # them into place at the step's end, waiting for them there;
-            # loaded here, they leave room for the scales' loads to rise.
+            # This step's activations (prefetched): loaded a step ahead into
+            # registers, ptxas would copy them into place at the step's end,
+            # waiting there for the load.
             xs = _load_xs(x_rows, gl.minimum(here, steps - 1), NIBBLES_IN_ORDER)
         cs = _step(lo, hi, xs, FP16)
         scale_lo, scale_hi = _step_scales(
