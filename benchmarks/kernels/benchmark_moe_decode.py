@@ -259,6 +259,7 @@ def sweep_uint4_tiles(
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
     out = torch.empty_like(hidden)
     steps: dict[str, Callable[[int], None]] = {}
+    configs = []
     for gated, down_tile in itertools.product(
         (
             (4, 1024, 4),
@@ -271,7 +272,11 @@ def sweep_uint4_tiles(
         ),
         ((1, 256, 1), (2, 256, 1), (4, 256, 1), (1, 512, 2), (2, 512, 2)),
     ):
-        config = MarlinDecodeConfig(*gated, *down_tile)
+        configs.append(MarlinDecodeConfig(*gated, *down_tile))
+    # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
+    for prefetch in ((1, 1), (3, 2), (8, 8)):
+        configs.append(MarlinDecodeConfig(8, 512, 2, 2, 256, 1, *prefetch))
+    for config in configs:
 
         def step(it: int, config: MarlinDecodeConfig = config) -> None:
             marlin_moe_decode(

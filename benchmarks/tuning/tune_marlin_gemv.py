@@ -61,6 +61,10 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument(
+        "--prefetch", type=int, nargs="+", default=[0],
+        help="GemvConfig K steps prefetched into L1 past the next",
+    )  # fmt: skip
+    parser.add_argument(
         "--mma",
         nargs="+",
         default=["1x1x1", "1x1x2", "1x1x4", "1x1x8", "2x1x2", "2x1x4", "2x1x8",
@@ -88,9 +92,9 @@ def main() -> None:
             ref = a.float() @ w_deq.float().t()
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             cfgs: dict[str, MarlinConfig | GemvConfig | MmaGemvConfig] = {
-                f"gemv n{bn} k{bk} w{nw}": GemvConfig(bn, bk, nw)
-                for bn, bk, nw in itertools.product(
-                    args.block_n, args.block_k, args.warps
+                f"gemv n{bn} k{bk} w{nw} p{pf}": GemvConfig(bn, bk, nw, pf)
+                for bn, bk, nw, pf in itertools.product(
+                    args.block_n, args.block_k, args.warps, args.prefetch
                 )
                 if bk // 8 >= 32 * nw and bk <= k and m <= GEMV_MAX_M
             }

@@ -6,6 +6,7 @@ product with the dequantized weights kept in fp32; the bound is the output's
 go through TRITON_INTERPRET at tiny sizes; ``gpu`` tests use model sizes.
 """
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -165,23 +166,30 @@ def test_bad_configs_raise(device):
         call(a[:1], config=GemvConfig(12, 256, 1))
     with pytest.raises(ValueError, match="num_warps"):
         call(a[:1], config=GemvConfig(8, 1024, 3))
+    for prefetch in (-1, 9):
+        with pytest.raises(ValueError, match=r"config: prefetch must be in 0\.\.8"):
+            call(a[:1], config=GemvConfig(8, 256, 1, prefetch))
 
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-def test_gpu_model_sizes(shape, m, group_size):
+def test_gpu_model_sizes(shape, m, group_size, prefetch):
+    """The default configs, and the same prefetching 3 K steps into L1 (a
+    hint: the same result)."""
     n, k = shape
     dev = torch.device("cuda")
     a, packed, scales, exact, bound = _problem(m, n, k, group_size, torch.bfloat16, dev)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+    config = dataclasses.replace(default_gemv_config(m, k), prefetch=prefetch)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out, config=default_gemv_config(m, k),
+        size_k=k, out=out, config=config,
     )  # fmt: skip
     _check(out, exact, bound)
 

@@ -114,8 +114,9 @@ def compile_kernels() -> None:
 _WORDS = ("LDG.E.128", "LDGSTS.E.BYPASS.128")
 
 
-def _sass(cubin: bytes) -> str:
-    """The SASS of ``cubin``, by the cuobjdump Triton ships."""
+def _sass(cubin: bytes, option: str = "-sass") -> str:
+    """The SASS of ``cubin`` (or what ``option`` asks), by the cuobjdump
+    Triton ships."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -126,8 +127,14 @@ def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        run = [str(cuobjdump), "-sass", f.name]
+        run = [str(cuobjdump), option, f.name]
         return subprocess.run(run, capture_output=True, text=True, check=True).stdout
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of ``cubin``'s kernel takes."""
+    usage = _sass(cubin, "-res-usage")
+    return int(usage.split("REG:")[1].split()[0])
 
 
 def test_compiles_for_sm90_without_a_gpu():

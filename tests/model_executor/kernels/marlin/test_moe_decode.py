@@ -10,10 +10,16 @@ The kernels routing from the router's logits themselves: the same.
 """
 
 import functools
+import json
 
 import pytest
 import torch
 
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    compiled_in_own_process,
+)
+from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
@@ -23,6 +29,8 @@ from vllm.model_executor.kernels.marlin.config import (
     decode_fits_topk,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import (
+    _down_sum_kernel,
+    _gated_kernel,
     marlin_moe_decode,
     marlin_moe_decode_routed,
 )
@@ -35,7 +43,11 @@ from vllm.model_executor.kernels.marlin.moe_decode_reference import (
     marlin_moe_decode_routed_reference,
 )
 
+MODULE = "tests.model_executor.kernels.marlin.test_moe_decode"
 POISON = float("nan")
+# The shipped tiles with every K step of Qwen3-30B-A3B's experts prefetched
+# into L1 (GEMM1 4 steps of 512, GEMM2 3 of 256).
+PREFETCHED = MarlinDecodeConfig(8, 512, 2, 2, 256, 1, gated_prefetch=3, down_prefetch=2)
 
 
 def _pack(w: torch.Tensor, dtype: torch.dtype, group_size: int = 128):
@@ -291,6 +303,8 @@ def test_bad_inputs_raise(device):
         (4, 256, 1, 8, 256, 3),
         (4, 256, 1, 3, 256, 1),  # 2 x 3 rows: not a power of two
         (4, 256, 1, 128, 256, 1),  # 2 x 128 rows: past MAX_DOWN_ROWS
+        (4, 256, 1, 8, 256, 1, -1),  # prefetch
+        (4, 256, 1, 8, 256, 1, 0, 9),
     ):
         with pytest.raises(ValueError, match="config"):
             call(w13, s13, w2, s2, None, "silu", 128, act, out,
@@ -304,19 +318,87 @@ def test_decode_fits_topk_up_to_64():
     assert not decode_fits_topk(65)
 
 
+def compile_kernels() -> None:
+    """GEMM1 and GEMM2 in the shipped tiles (bf16, group scales) with and
+    without prefetching (run in a process of its own by the test below):
+    their L1 prefetches and registers in the SASS."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = PREFETCHED
+    common = dict(HAS_MAP=False, NIBBLES_IN_ORDER=False, GROUP_SIZE=128, ASM=True,
+                  PDL=True, ROUTED=False, BLOCK_E=128, EVEN_K=True)  # fmt: skip
+    gated = common | dict(
+        GATE_UP_INTERLEAVED=False, MODE=0, ALPHA=1.702, LIMIT=7.0,
+        BLOCK_N=cfg.gated_block_n, BLOCK_K=cfg.gated_block_k, BLOCK_R=8,
+    )  # fmt: skip
+    down = common | dict(TOPK=8, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+                         RENORMALIZE=False)  # fmt: skip
+    types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
+             "weights_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
+    for kernel, consts, warps, prefetch in (
+        (_gated_kernel, gated, cfg.gated_warps, cfg.gated_prefetch),
+        (_down_sum_kernel, down, cfg.down_warps, cfg.down_prefetch),
+    ):
+        for pf in (0, prefetch):
+            built = consts | {"PREFETCH": pf}
+            args = [p.name for p in kernel.params if p.name not in built]
+            signature = {
+                a: types.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
+            }
+            signature |= dict.fromkeys(built, "constexpr")
+            # As a launch at Qwen3-30B-A3B's sizes specializes them.
+            aligned = {(i,): [["tt.divisibility", 16]]
+                       for i, a in enumerate(args) if a.endswith("_ptr") or a in
+                       ("K", "inter", "hidden", "stride_x", "stride_act",
+                        "stride_we", "stride_se")}  # fmt: skip
+            source = ASTSource(kernel, signature, constexprs=built, attrs=aligned)
+            compiled = triton.compile(
+                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+            )
+            cubin = compiled.asm["cubin"]
+            prefetches = _sass(cubin).count("CCTL.E.PF1")
+            print(COMPILED, json.dumps([pf, prefetches, registers(cubin), warps]))
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """With ``PREFETCH`` p, each GEMM prefetches its words' lines and its
+    scales' for p steps before its loop and one step in it (one instruction
+    each a thread: the line pointers are spread over the lanes), and its
+    registers still let an SM hold as many programs (ptxas keeps its
+    register target: the loop's prefetch comes last in the step)."""
+
+    def programs_an_sm(regs: int, warps: int) -> int:
+        return 65536 // (-(-regs // 8) * 8 * 32 * warps)
+
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == 4
+    for without, (pf, prefetches, regs, warps) in (builds[0:2], builds[2:4]):
+        assert without[1] == 0
+        assert prefetches == 2 * (pf + 1)
+        assert programs_an_sm(regs, warps) == programs_an_sm(without[2], warps)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, PREFETCHED], ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 8])
-def test_gpu_model_sizes(tokens):
-    """Qwen3-30B-A3B's expert shapes, bf16, the shipped config."""
+def test_gpu_model_sizes(tokens, config):
+    """Qwen3-30B-A3B's expert shapes, bf16, the shipped config and the same
+    tiles prefetching every K step."""
     dev = torch.device("cuda")
-    out, ref, act, ids, _ = _run(tokens, 2048, 768, 128, 8, torch.bfloat16, dev)
+    out, ref, act, ids, _ = _run(
+        tokens, 2048, 768, 128, 8, torch.bfloat16, dev, config=config
+    )
     _close(out, ref, 2e-2)
     untouched = ~_local(ids, 128, None).flatten().to(dev)
     assert bool(torch.isnan(act[untouched]).all())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, default_mma_moe_decode_config()], ids=str)
+@pytest.mark.parametrize(
+    "config", [None, default_mma_moe_decode_config(), PREFETCHED], ids=str
+)
 def test_gpu_cuda_graph_replay_with_new_routing(config):
     dev = torch.device("cuda")
     tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8

@@ -36,6 +36,7 @@ from vllm.model_executor.kernels.marlin.config import TILE_K
 # Up to this many rows of A the kernel takes a GemvConfig (its accumulators);
 # gemv_applies says when it beats the tensor-core kernel.
 GEMV_MAX_M = 4
+MAX_PREFETCH = 8  # K steps into L1 past the next (dot_rows)
 
 
 def gemv_applies(m: int) -> bool:
@@ -50,12 +51,13 @@ def gemv_applies(m: int) -> bool:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Weight rows per program, K columns per step (a multiple of ``TILE_K``)
-    and warps."""
+    """Weight rows per program, K columns per step (a multiple of ``TILE_K``),
+    warps, and K steps prefetched into L1 past the next (:func:`dot_rows`)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    prefetch: int = 0
 
 
 def default_gemv_config(m: int, k: int) -> GemvConfig:
@@ -84,6 +86,13 @@ def check_tile(block_n: int, block_k: int, num_warps: int, config: object) -> No
         )
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"config: block_n must be a power of two: {config}")
+
+
+def check_prefetch(config: object, name: str) -> None:
+    """An error naming ``config`` unless its field ``name`` is a prefetch
+    distance (:func:`dot_rows`' ``PREFETCH``; unrolled before the loop)."""
+    if not 0 <= getattr(config, name) <= MAX_PREFETCH:
+        raise ValueError(f"config: {name} must be in 0..{MAX_PREFETCH}: {config}")
 
 
 @triton.jit
@@ -155,6 +164,30 @@ def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
+def _prefetch_l1(ptrs):
+    """Each pointer's line into L1: a hint that holds no register."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_step(
+    w_lines, s_lines, k, K, s_group_stride, GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Prefetch into L1 the words of K step ``k`` (past the last: the
+    last's) and, where the steps are whole groups, their scales: ``w_lines``
+    each row's 128-byte lines of step 0, ``s_lines`` each row's scales of
+    step 0's groups (one a thread: the tensors are small)."""
+    k = tl.minimum(k, K - BLOCK_K)
+    _prefetch_l1(w_lines + k // 8)
+    if GROUP_SIZE > 0 and BLOCK_K % GROUP_SIZE == 0:
+        _prefetch_l1(s_lines + (k // GROUP_SIZE) * s_group_stride)
+
+
+@triton.jit
 def dot_rows(
     w_rows,  # [BLOCK_N] pointers to each weight row's first packed word
     s_rows,  # [BLOCK_N] pointers to each row's scale of group 0 (or channel)
@@ -172,6 +205,7 @@ def dot_rows(
     PDL: tl.constexpr,
     X_PER_ROW: tl.constexpr = False,  # x_ptr per weight row (BLOCK_M 1)
     NIBBLES_IN_ORDER: tl.constexpr = False,  # nibble i: column i (W4A8's packing)
+    PREFETCH: tl.constexpr = 0,  # K steps into L1 past the next (ASM, EVEN_K)
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
     the (up to 4) rows of A, or with each weight row's own row of A
@@ -190,6 +224,12 @@ def dot_rows(
 
     With ``PDL`` it waits for the previous kernel (:func:`~.pdl.pdl_wait`)
     after loading its first weights, before it reads A.
+
+    The next step's words are loaded into registers a step ahead, but ptxas,
+    keeping its register target, issues those loads at the end of the step
+    (docs/marlin.md, v4.2): a step waits for its words. ``PREFETCH`` steps
+    past the next are prefetched into L1 (no registers held; scales too
+    where a step is whole groups), so that those loads find their lines there.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
@@ -214,6 +254,16 @@ def dot_rows(
     acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     packed = _load_words(w_ptrs, offs_w, 0, K, BLOCK_K, EVEN_K)
+    PREFETCHES: tl.constexpr = PREFETCH if ASM and EVEN_K else 0
+    if PREFETCHES > 0:
+        w_lines = w_rows[:, None] + (tl.arange(0, WORDS // 32) * 32)[None, :]
+        groups = tl.arange(0, BLOCK_K // GROUP_SIZE if GROUP_SIZE > 0 else 1)
+        s_lines = s_rows[:, None] + groups[None, :] * s_group_stride
+        for step in tl.static_range(1, PREFETCHES + 1):
+            _prefetch_step(
+                w_lines, s_lines, step * BLOCK_K, K, s_group_stride, GROUP_SIZE,
+                BLOCK_K,
+            )  # fmt: skip
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         packed_next = _load_words(w_ptrs, offs_w, k + BLOCK_K, K, BLOCK_K, EVEN_K)
@@ -258,6 +308,13 @@ def dot_rows(
             acc3 += scale * _row_terms(
                 x3_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
             )
+        if PREFETCHES > 0:
+            # Last in the step: ptxas keeps loads above a prefetch (the words'
+            # above would then hold their registers through the step).
+            _prefetch_step(
+                w_lines, s_lines, k + (PREFETCHES + 1) * BLOCK_K, K, s_group_stride,
+                GROUP_SIZE, BLOCK_K,
+            )  # fmt: skip
         packed = packed_next
     if GROUP_SIZE < 0:
         channel = tl.load(s_rows).to(tl.float32)
@@ -291,6 +348,7 @@ def _marlin_gemv_kernel(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -298,7 +356,7 @@ def _marlin_gemv_kernel(
     out0, out1, out2, out3 = dot_rows(
         b_ptr + rows.to(tl.int64) * stride_bn, s_ptr + rows * stride_sn,
         a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-        ASM, PDL,
+        ASM, PDL, PREFETCH=PREFETCH,
     )  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + offs_n
@@ -335,6 +393,7 @@ def launch_gemv(
     if m > GEMV_MAX_M:
         raise ValueError(f"a: at most {GEMV_MAX_M} rows for a GemvConfig, got {m}")
     check_tile(cfg.block_n, cfg.block_k, cfg.num_warps, cfg)
+    check_prefetch(cfg, "prefetch")
     launch_pdl = pdl(a.device)
     _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a,
@@ -355,6 +414,7 @@ def launch_gemv(
         EVEN_K=k % cfg.block_k == 0,
         ASM=inline_ptx(a.device, _marlin_gemv_kernel),
         PDL=launch_pdl,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         launch_pdl=launch_pdl,
     )
