@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -323,13 +324,20 @@ def sweep_tiles(
     scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
     steps = {}
     routes = triton.next_power_of_2(ids[0].shape[1])
+    configs = []
     for gn, gk, dn, dk, warps in itertools.product(
         (4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8, 16), (128, 256, 512), (4, 8)
     ):
         threads = 32 * warps
         if 2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads:
             continue
-        config = DecodeConfig(gn, gk, dn, dk, warps)
+        configs.append(DecodeConfig(gn, gk, dn, dk, warps))
+    # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
+    shipped = default_decode_config(ids[0].shape[0], experts.w13.dtype)
+    for prefetch in ((1, 1), (3, 2), (7, 2)):
+        configs.append(dataclasses.replace(shipped, gated_prefetch=prefetch[0],
+                                           down_prefetch=prefetch[1]))  # fmt: skip
+    for config in configs:
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(

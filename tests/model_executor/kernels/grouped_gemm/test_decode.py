@@ -4,9 +4,17 @@ fp8 weights with channel scales (CUDA), graph replay with new routing.
 uint4 weights refused by name (``marlin/moe_decode.py`` decodes them).
 The kernels routing from logits themselves: the same, plus ties and NaN."""
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    compiled_in_own_process,
+)
+from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm import (
@@ -17,8 +25,14 @@ from vllm.model_executor.kernels.grouped_gemm import (
     moe_decode_routed,
     moe_decode_routed_reference,
 )
+from vllm.model_executor.kernels.grouped_gemm.decode import (
+    _decode_down_kernel,
+    _decode_gated_kernel,
+    default_decode_config,
+)
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
 
+MODULE = "tests.model_executor.kernels.grouped_gemm.test_decode"
 # CPU (interpreter) sizes stay tiny; CUDA runs qwen3-30b-a3b's.
 CPU_DIMS = dict(experts=6, hidden=64, inter=48, topk=3)
 CUDA_DIMS = dict(experts=128, hidden=2048, inter=768, topk=8)
@@ -159,12 +173,79 @@ def test_bad_arguments_are_named(device):
     ):
         with pytest.raises(ValueError, match=name):
             moe_decode(**(good | {name: bad}))
+    for prefetch in ((-1, 0), (0, 9)):
+        bad_config = DecodeConfig(16, 32, 16, 32, 4, *prefetch)
+        with pytest.raises(ValueError, match=r"config: (gated|down)_prefetch must"):
+            moe_decode(**good, config=bad_config)
+
+
+def compile_kernels() -> None:
+    """Both kernels at one token's tiles (fp8 weights with scales), with and
+    without prefetching 3 K steps (run in a process of its own by the test
+    below): their L1 prefetches and registers in the SASS."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = default_decode_config(1, FP8_DTYPE)
+    common = dict(HAS_MAP=False, HAS_SCALE=True, PDL=True, ROUTED=False, BLOCK_E=128)
+    gated = common | dict(MODE=0, ALPHA=1.702, LIMIT=7.0, BLOCK_N=cfg.gated_block_n,
+                          BLOCK_K=cfg.gated_block_k, BLOCK_R=8)  # fmt: skip
+    down = common | dict(BLOCK_R=8, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+                         RENORMALIZE=False)  # fmt: skip
+    types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*fp8e4nv",
+             "w_scale_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
+    for kernel, consts in ((_decode_gated_kernel, gated), (_decode_down_kernel, down)):
+        for prefetch in (0, 3):
+            built = consts | {"PREFETCH": prefetch}
+            args = [p.name for p in kernel.params if p.name not in built]
+            signature = {
+                a: types.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
+            }
+            signature |= dict.fromkeys(built, "constexpr")
+            # As a launch at Qwen3-30B-A3B's sizes specializes them.
+            aligned = {(i,): [["tt.divisibility", 16]]
+                       for i, a in enumerate(args) if a.endswith("_ptr") or a in
+                       ("K", "inter", "hidden", "stride_x", "stride_act",
+                        "stride_out")}  # fmt: skip
+            source = ASTSource(kernel, signature, constexprs=built, attrs=aligned)
+            compiled = triton.compile(
+                source, target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": cfg.num_warps},
+            )  # fmt: skip
+            cubin = compiled.asm["cubin"]
+            prefetches = _sass(cubin).count("CCTL.E.PF1")
+            print(COMPILED, json.dumps([prefetch, prefetches, registers(cubin)]))
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """With ``PREFETCH`` 3 each kernel prefetches 3 K steps before its loop
+    and one in it, one instruction a thread each (a step's lines spread
+    over the lanes), and an SM holds at most one program fewer (GEMM1 fp8:
+    69 -> 78 registers on Triton 3.6, 7 -> 6 programs: one token's 768
+    programs still fit the H200's 132 SMs in one wave)."""
+
+    def programs_an_sm(regs: int) -> int:
+        return 65536 // (
+            -(-regs // 8) * 8 * 32 * default_decode_config(1, FP8_DTYPE).num_warps
+        )
+
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == 4
+    for (_, none, plain), (prefetch, prefetches, prefetched) in (
+        builds[0:2],
+        builds[2:4],
+    ):
+        assert none == 0
+        assert prefetches == prefetch + 1
+        assert programs_an_sm(prefetched) >= programs_an_sm(plain) - 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 and graphs: CUDA")
+@pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8])  # each default tile config
-def test_fp8_weights_and_graph_replay(tokens):
+def test_fp8_weights_and_graph_replay(tokens, prefetch):
     torch.manual_seed(3)
     device = torch.device("cuda")
     d = CUDA_DIMS
@@ -175,10 +256,15 @@ def test_fp8_weights_and_graph_replay(tokens):
     act = torch.empty(tokens * 8, 768, device=device, dtype=torch.bfloat16)
     out = torch.full_like(x, float("nan"))
     args = (x, ids, weights, w13, s13, w2, s2, None, "silu", act, out)
-    moe_decode(*args)  # compile outside the capture
+    config = dataclasses.replace(
+        default_decode_config(tokens, FP8_DTYPE),
+        gated_prefetch=prefetch,
+        down_prefetch=prefetch,
+    )
+    moe_decode(*args, config=config)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        moe_decode(*args)
+        moe_decode(*args, config=config)
     for seed in range(2):  # new tokens and routing each replay
         g = torch.Generator().manual_seed(seed)
         new_ids, new_weights = routing(tokens, d["experts"], d["topk"], "cpu", g)

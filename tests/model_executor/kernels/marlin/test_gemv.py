@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm import envs
 from vllm.model_executor.kernels.marlin import (
     marlin_gemm,
     marlin_workspace_numel,
@@ -28,10 +27,8 @@ from vllm.model_executor.kernels.marlin import (
 from vllm.model_executor.kernels.marlin.gemv import (
     GEMV_MAX_M,
     GemvConfig,
-    _marlin_gemv_kernel,
     default_gemv_config,
     gemv_applies,
-    inline_ptx,
 )
 
 # The interpreter rounds to bf16 by truncation: one ulp, not half.
@@ -107,13 +104,6 @@ def test_matches_exact_product(device, shape, m, dtype, config):
 def test_gemv_applies_by_rows():
     assert gemv_applies(1) and gemv_applies(2)
     assert not gemv_applies(3) and not gemv_applies(GEMV_MAX_M + 1)
-
-
-def test_inline_ptx_only_in_kernels_compiled_for_nvidia():
-    """The interpreter (CPU runs) cannot execute PTX, even for a CUDA tensor."""
-    assert not inline_ptx(torch.device("cpu"), _marlin_gemv_kernel)
-    compiled = not envs.triton_interpret() and torch.version.hip is None
-    assert inline_ptx(torch.device("cuda"), _marlin_gemv_kernel) == compiled
 
 
 def test_default_dispatch_by_rows(device):

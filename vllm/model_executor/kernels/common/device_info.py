@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 # Program-count bound under TRITON_INTERPRET (no SMs on CPU): small, so that
 # CPU tests still give each persistent program several tiles.
@@ -59,3 +60,13 @@ def persistent_programs(
     have rows, each with one partial row tile."""
     row_tiles = -(-rows // block_m) + min(num_experts, rows)
     return min(num_sms(device), row_tiles * n_tiles)
+
+
+def inline_ptx(device: torch.device, kernel: triton.runtime.KernelInterface) -> bool:
+    """Whether ``kernel`` may use inline PTX on ``device``: compiled (not
+    the interpreter's, whatever the environment says now) for an NVIDIA GPU."""
+    return (
+        isinstance(kernel, triton.runtime.JITFunction)
+        and device.type == "cuda"
+        and not torch.version.hip
+    )

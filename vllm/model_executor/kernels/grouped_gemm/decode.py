@@ -55,8 +55,10 @@ from vllm.model_executor.kernels.common.checks import (
     check_index,
     check_rows,
 )
+from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_l1
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -71,6 +73,16 @@ from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_buc
 # weight reads cost little while few tokens share an expert (top-8 of 128:
 # ~7% re-read at 4 tokens); above it the sorted path reads each expert once.
 DECODE_MAX_TOKENS = 8
+
+
+@triton.jit
+def _prefetch_rows(rows, k, K, BLOCK_K: tl.constexpr):
+    """Prefetch into L1 the 128-byte lines of K step ``k`` of weight rows
+    ``rows`` (pointers to their first elements, with a last dimension of 1;
+    columns past K: the last)."""
+    LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth
+    LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
+    prefetch_l1(rows + tl.minimum(k + tl.arange(0, LINES) * LINE, K - 1))
 
 
 @triton.jit
@@ -102,6 +114,7 @@ def _decode_gated_kernel(
     ROUTED: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PREFETCH: tl.constexpr,  # K steps into L1 ahead
 ):
     pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = tl.program_id(0)
@@ -127,6 +140,10 @@ def _decode_gated_kernel(
         row_ok = rows < 2 * inter
         w_row = expert.to(tl.int64) * 2 * inter + rows
         w_rows = w_ptr + w_row[:, None] * K
+        # Rows past the expert's: its last (in bounds).
+        w_lines = w_ptr + (w_row - rows + tl.minimum(rows, 2 * inter - 1))[:, None] * K
+        for step in tl.static_range(1, PREFETCH + 1):
+            _prefetch_rows(w_lines, step * BLOCK_K, K, BLOCK_K)
         acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
@@ -134,6 +151,8 @@ def _decode_gated_kernel(
             mask = row_ok[:, None] & (cols < K)[None, :]
             w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
+                _prefetch_rows(w_lines, k + (PREFETCH + 1) * BLOCK_K, K, BLOCK_K)
         product = tl.sum(acc, axis=1)
         if HAS_SCALE:
             scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
@@ -177,6 +196,7 @@ def _decode_down_kernel(
     ROUTED: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PREFETCH: tl.constexpr,  # K steps into L1 past the next
 ):
     # All of the token's routes at once: each K step loads BLOCK_R weight
     # tiles together (one round trip, not one per route).
@@ -218,6 +238,11 @@ def _decode_down_kernel(
         mask=tile_ok & (cols < inter)[None, None, :],
         other=0.0,
     )
+    # Columns past H: the last (in bounds).
+    w_lines = w_ptr + (w_row - rows[None, :] + tl.minimum(rows, hidden - 1)) * inter
+    w_lines = w_lines[:, :, None]
+    for step in tl.static_range(1, PREFETCH + 1):
+        _prefetch_rows(w_lines, step * BLOCK_K, inter, BLOCK_K)
     pdl_wait(PDL)  # act is the previous kernel's
     for k in range(0, inter, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
@@ -232,6 +257,8 @@ def _decode_down_kernel(
             mask=tile_ok & (cols + BLOCK_K < inter)[None, None, :],
             other=0.0,
         )
+        if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
+            _prefetch_rows(w_lines, k + (PREFETCH + 1) * BLOCK_K, inter, BLOCK_K)
     if HAS_SCALE:
         scale_ptrs = (
             w_scale_ptr
@@ -249,13 +276,17 @@ def _decode_down_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs)."""
+    """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs), and
+    each kernel's K steps prefetched into L1 ahead of its loads
+    (:mod:`~.common.prefetch`; where inline PTX runs)."""
 
     gated_block_n: int
     gated_block_k: int
     down_block_n: int
     down_block_k: int
     num_warps: int = 4
+    gated_prefetch: int = 0
+    down_prefetch: int = 0
 
 
 def default_decode_config(tokens: int, weight_dtype: torch.dtype) -> DecodeConfig:
@@ -406,12 +437,15 @@ def _launch(
     ids, weights, logits = routing.ids, routing.weights, routing.logits
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
+    for name in ("gated_prefetch", "down_prefetch"):
+        check_prefetch(config, name)
     inter, num_ids = w13.shape[1] // 2, _num_ids(w13, expert_map)
     if tokens == 0:
         return out
     map_arg = expert_map if expert_map is not None else ids
     block_r, block_e = triton.next_power_of_2(topk), triton.next_power_of_2(num_ids)
     launch_pdl = pdl(x.device)
+    asm = inline_ptx(x.device, _decode_gated_kernel)
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
         x, ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
@@ -421,7 +455,8 @@ def _launch(
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
         PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e, BLOCK_R=block_r,
-        num_warps=config.num_warps, launch_pdl=launch_pdl,
+        PREFETCH=config.gated_prefetch if asm else 0, num_warps=config.num_warps,
+        launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, ids, map_arg, weights, w2,
@@ -432,7 +467,8 @@ def _launch(
         HAS_SCALE=w2_scale is not None, BLOCK_R=block_r,
         BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, PDL=launch_pdl,
         ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
-        num_warps=config.num_warps, launch_pdl=launch_pdl,
+        PREFETCH=config.down_prefetch if asm else 0, num_warps=config.num_warps,
+        launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
 

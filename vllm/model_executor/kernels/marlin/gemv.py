@@ -30,13 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_l1
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
 # Up to this many rows of A the kernel takes a GemvConfig (its accumulators);
 # gemv_applies says when it beats the tensor-core kernel.
 GEMV_MAX_M = 4
-MAX_PREFETCH = 8  # K steps into L1 past the next (dot_rows)
 
 
 def gemv_applies(m: int) -> bool:
@@ -86,13 +87,6 @@ def check_tile(block_n: int, block_k: int, num_warps: int, config: object) -> No
         )
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"config: block_n must be a power of two: {config}")
-
-
-def check_prefetch(config: object, name: str) -> None:
-    """An error naming ``config`` unless its field ``name`` is a prefetch
-    distance (:func:`dot_rows`' ``PREFETCH``; unrolled before the loop)."""
-    if not 0 <= getattr(config, name) <= MAX_PREFETCH:
-        raise ValueError(f"config: {name} must be in 0..{MAX_PREFETCH}: {config}")
 
 
 @triton.jit
@@ -164,15 +158,6 @@ def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """Each pointer's line into L1: a hint that holds no register."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _prefetch_step(
     w_lines, s_lines, k, K, s_group_stride, GROUP_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -182,9 +167,9 @@ def _prefetch_step(
     each row's 128-byte lines of step 0, ``s_lines`` each row's scales of
     step 0's groups (one a thread: the tensors are small)."""
     k = tl.minimum(k, K - BLOCK_K)
-    _prefetch_l1(w_lines + k // 8)
+    prefetch_l1(w_lines + k // 8)
     if GROUP_SIZE > 0 and BLOCK_K % GROUP_SIZE == 0:
-        _prefetch_l1(s_lines + (k // GROUP_SIZE) * s_group_stride)
+        prefetch_l1(s_lines + (k // GROUP_SIZE) * s_group_stride)
 
 
 @triton.jit
@@ -367,16 +352,6 @@ def _marlin_gemv_kernel(
     if BLOCK_M > 2:
         tl.store(c_ptrs + 2 * stride_cm, out2.to(dtype), mask=mask_n & (row + 2 < M))
         tl.store(c_ptrs + 3 * stride_cm, out3.to(dtype), mask=mask_n & (row + 3 < M))
-
-
-def inline_ptx(device: torch.device, kernel: triton.runtime.KernelInterface) -> bool:
-    """Whether ``kernel`` may use inline PTX on ``device``: compiled (not
-    the interpreter's, whatever the environment says now) for an NVIDIA GPU."""
-    return (
-        isinstance(kernel, triton.runtime.JITFunction)
-        and device.type == "cuda"
-        and not torch.version.hip
-    )
 
 
 def launch_gemv(

@@ -48,7 +48,9 @@ from vllm.model_executor.kernels.common.activation_quant import (
     gated_act,
 )
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
+from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
+from vllm.model_executor.kernels.common.prefetch import check_prefetch
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -61,12 +63,7 @@ from vllm.model_executor.kernels.marlin.config import (
     MarlinDecodeConfig,
     default_marlin_decode_config,
 )
-from vllm.model_executor.kernels.marlin.gemv import (
-    check_prefetch,
-    check_tile,
-    dot_rows,
-    inline_ptx,
-)
+from vllm.model_executor.kernels.marlin.gemv import check_tile, dot_rows
 from vllm.model_executor.kernels.marlin.mma_rows import rows_aligned, runs_mma
 from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
