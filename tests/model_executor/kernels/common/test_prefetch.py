@@ -1,10 +1,13 @@
-"""The prefetch distance check (``common/prefetch.py``); the prefetches
-themselves are counted in the decode kernels' sm_90 build tests
-(``marlin/test_moe_decode.py``, ``grouped_gemm/test_decode.py``)."""
+"""The prefetch distance check (``common/prefetch.py``), and
+:class:`PrefetchRecorder`, with which the decode kernels' tests check where
+their prefetches point (``marlin/test_gemv.py``, ``marlin/test_moe_decode.py``,
+``grouped_gemm/test_decode.py``); their sm_90 build tests count them."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+import torch
 
 from vllm.model_executor.kernels.common.prefetch import MAX_PREFETCH, check_prefetch
 
@@ -22,3 +25,35 @@ def test_check_prefetch_names_the_config():
             ValueError, match=rf"config: prefetch must be in 0..{MAX_PREFETCH}: Config"
         ):
             check_prefetch(Config(steps), "prefetch")
+
+
+class PrefetchRecorder:
+    """Stands in for ``prefetch_l1`` under the interpreter (which runs no
+    PTX): keeps every address a kernel would prefetch (where its mask)."""
+
+    def __init__(self) -> None:
+        self.addresses: list[np.ndarray] = []
+
+    def __call__(self, ptrs, mask=None) -> None:
+        addresses = np.asarray(ptrs.handle.data).astype(np.int64)
+        if mask is not None:
+            keep = np.broadcast_to(np.asarray(mask.handle.data), addresses.shape)
+            addresses = addresses[keep]
+        self.addresses.append(addresses.reshape(-1))
+
+    def offsets_in(self, t: torch.Tensor) -> np.ndarray:
+        """Byte offsets of the recorded addresses that fall in ``t``."""
+        got = np.concatenate(self.addresses) - t.data_ptr()
+        return got[(got >= 0) & (got < t.numel() * t.element_size())]
+
+    def count(self) -> int:
+        return sum(a.size for a in self.addresses)
+
+    def outside(self, *tensors: torch.Tensor) -> int:
+        """How many recorded addresses lie in none of ``tensors``."""
+        got = np.concatenate(self.addresses)
+        inside = np.zeros(got.shape, bool)
+        for t in tensors:
+            start = t.data_ptr()
+            inside |= (got >= start) & (got < start + t.numel() * t.element_size())
+        return int((~inside).sum())

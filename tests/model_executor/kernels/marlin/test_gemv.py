@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from vllm.model_executor.kernels.marlin import (
+    gemv,
     marlin_gemm,
     marlin_workspace_numel,
     quantize_weights,
@@ -137,6 +139,27 @@ def test_rows_of_a_and_out_with_a_stride(device):
     )  # fmt: skip
     _check(out[:, :n], exact, bound)
     assert bool((out[:, n:] == 7.0).all())
+
+
+def test_prefetches_stay_in_the_weights(device, monkeypatch):
+    """Every line the GEMV would prefetch (3 steps past the next, forced on
+    under the interpreter: past K) lies in the packed weights or scales,
+    with rows past N in the last program."""
+    if device.type != "cpu":
+        pytest.skip("records the prefetches under the interpreter")
+    recorder = PrefetchRecorder()
+    monkeypatch.setattr(gemv, "prefetch_l1", recorder)
+    monkeypatch.setattr(gemv, "prefetch_steps", lambda steps, *_: steps)
+    n, k = 40, 768
+    a, packed, scales, exact, bound = _problem(1, n, k, 128, torch.float16, device)
+    out = torch.full((1, n), float("nan"), dtype=torch.float16)
+    marlin_gemm(
+        a, packed, scales, _workspace(device), group_size=128, size_n=n, size_k=k,
+        out=out, config=GemvConfig(16, 256, 1, 3),
+    )  # fmt: skip
+    _check(out, exact, bound)
+    assert recorder.count() > 0
+    assert recorder.outside(packed, scales) == 0
 
 
 def test_bad_configs_raise(device):

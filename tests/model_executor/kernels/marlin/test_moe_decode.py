@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
@@ -23,7 +24,12 @@ from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
-from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
+from vllm.model_executor.kernels.marlin import (
+    gemv,
+    moe_decode,
+    quantize_weights,
+    repack_weights,
+)
 from vllm.model_executor.kernels.marlin.config import (
     MarlinDecodeConfig,
     decode_fits_topk,
@@ -316,6 +322,36 @@ def test_decode_fits_topk_up_to_64():
     the experts take their sorted path beyond it."""
     assert decode_fits_topk(1) and decode_fits_topk(8) and decode_fits_topk(64)
     assert not decode_fits_topk(65)
+
+
+@pytest.mark.parametrize("w4a8", [False, True])
+def test_prefetches_stay_in_the_weights(device, monkeypatch, w4a8):
+    """Every line the kernels would prefetch (the distance forced on under
+    the interpreter, past their K steps) lies in the weights or their
+    scales, in both packings: invalid ids and the last expert included."""
+    if device.type != "cpu":
+        pytest.skip("records the prefetches under the interpreter")
+    recorder = PrefetchRecorder()
+    monkeypatch.setattr(gemv, "prefetch_l1", recorder)
+    monkeypatch.setattr(moe_decode, "prefetch_steps", lambda steps, *_: steps)
+    tokens, hidden, inter, experts, topk = 3, 512, 256, 3, 3
+    w13, s13, w2, s2 = _weights(
+        experts, hidden, inter, torch.float16, device, w4a8=w4a8
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = _ids(tokens, topk, experts, gen)
+    x = (torch.randn(tokens, hidden, generator=gen) / 4).half()
+    tw = torch.rand(tokens, topk, generator=gen)
+    act = torch.full((tokens * topk, inter), POISON, dtype=torch.float16)
+    out, ref = torch.empty(tokens, hidden).half(), torch.empty(tokens, hidden).half()
+    config = MarlinDecodeConfig(8, 256, 1, 4, 256, 1, gated_prefetch=3, down_prefetch=2)
+    marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out, config)
+    marlin_moe_decode_reference(
+        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act.clone(), ref
+    )
+    _close(out, ref, 2e-3)
+    assert recorder.count() > 0
+    assert recorder.outside(w13, s13, w2, s2) == 0
 
 
 def compile_kernels() -> None:

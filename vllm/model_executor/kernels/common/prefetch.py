@@ -9,8 +9,11 @@ them in L1. Where a prefetch sits matters: ptxas keeps a loop's loads above
 a prefetch, so the kernels put their loop's prefetch last in the step.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from vllm.model_executor.kernels.common.device_info import inline_ptx
 
 MAX_PREFETCH = 8  # K steps ahead (unrolled before the loop)
 
@@ -22,11 +25,25 @@ def check_prefetch(config: object, name: str) -> None:
         raise ValueError(f"config: {name} must be in 0..{MAX_PREFETCH}: {config}")
 
 
+def prefetch_steps(steps: int, device: torch.device, kernel: object) -> int:
+    """The prefetch distance a launch of ``kernel`` passes: ``steps`` where
+    it runs compiled for NVIDIA (inline PTX), else 0."""
+    return steps if inline_ptx(device, kernel) else 0
+
+
 @triton.jit
-def prefetch_l1(ptrs):
-    """Each pointer's line into L1: a hint, no register held (compiled for
-    NVIDIA only: callers pass a prefetch distance of 0 elsewhere)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
+def prefetch_l1(ptrs, mask=None):
+    """Each pointer's line into L1 (where ``mask``): a hint, no register
+    held. Kernels take it only with a distance from :func:`prefetch_steps`
+    (the interpreter runs no PTX)."""
+    if mask is None:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; }"
+            " mov.u32 $0, 0;", "=r,l,r", [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip

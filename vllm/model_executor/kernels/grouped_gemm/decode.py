@@ -55,10 +55,13 @@ from vllm.model_executor.kernels.common.checks import (
     check_index,
     check_rows,
 )
-from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_l1
+from vllm.model_executor.kernels.common.prefetch import (
+    check_prefetch,
+    prefetch_l1,
+    prefetch_steps,
+)
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -76,13 +79,13 @@ DECODE_MAX_TOKENS = 8
 
 
 @triton.jit
-def _prefetch_rows(rows, k, K, BLOCK_K: tl.constexpr):
+def _prefetch_rows(rows, k, K, BLOCK_K: tl.constexpr, mask=None):
     """Prefetch into L1 the 128-byte lines of K step ``k`` of weight rows
     ``rows`` (pointers to their first elements, with a last dimension of 1;
-    columns past K: the last)."""
+    columns past K: the last) where ``mask``."""
     LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth
     LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
-    prefetch_l1(rows + tl.minimum(k + tl.arange(0, LINES) * LINE, K - 1))
+    prefetch_l1(rows + tl.minimum(k + tl.arange(0, LINES) * LINE, K - 1), mask)
 
 
 @triton.jit
@@ -238,11 +241,13 @@ def _decode_down_kernel(
         mask=tile_ok & (cols < inter)[None, None, :],
         other=0.0,
     )
-    # Columns past H: the last (in bounds).
+    # Columns past H: the last (in bounds); routes without a local expert
+    # prefetch nothing (their loads are masked off).
     w_lines = w_ptr + (w_row - rows[None, :] + tl.minimum(rows, hidden - 1)) * inter
     w_lines = w_lines[:, :, None]
+    routed = valid[:, None, None]
     for step in tl.static_range(1, PREFETCH + 1):
-        _prefetch_rows(w_lines, step * BLOCK_K, inter, BLOCK_K)
+        _prefetch_rows(w_lines, step * BLOCK_K, inter, BLOCK_K, routed)
     pdl_wait(PDL)  # act is the previous kernel's
     for k in range(0, inter, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
@@ -258,7 +263,9 @@ def _decode_down_kernel(
             other=0.0,
         )
         if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
-            _prefetch_rows(w_lines, k + (PREFETCH + 1) * BLOCK_K, inter, BLOCK_K)
+            _prefetch_rows(
+                w_lines, k + (PREFETCH + 1) * BLOCK_K, inter, BLOCK_K, routed
+            )
     if HAS_SCALE:
         scale_ptrs = (
             w_scale_ptr
@@ -445,7 +452,14 @@ def _launch(
     map_arg = expert_map if expert_map is not None else ids
     block_r, block_e = triton.next_power_of_2(topk), triton.next_power_of_2(num_ids)
     launch_pdl = pdl(x.device)
-    asm = inline_ptx(x.device, _decode_gated_kernel)
+    # Nothing to prefetch in empty weights (their clamps would leave them).
+    has_weights = hidden > 0 and inter > 0 and w13.shape[0] > 0
+    gated_prefetch = prefetch_steps(
+        config.gated_prefetch if has_weights else 0, x.device, _decode_gated_kernel
+    )
+    down_prefetch = prefetch_steps(
+        config.down_prefetch if has_weights else 0, x.device, _decode_down_kernel
+    )
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
         x, ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
@@ -455,7 +469,7 @@ def _launch(
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
         PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e, BLOCK_R=block_r,
-        PREFETCH=config.gated_prefetch if asm else 0, num_warps=config.num_warps,
+        PREFETCH=gated_prefetch, num_warps=config.num_warps,
         launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
@@ -467,7 +481,7 @@ def _launch(
         HAS_SCALE=w2_scale is not None, BLOCK_R=block_r,
         BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, PDL=launch_pdl,
         ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
-        PREFETCH=config.down_prefetch if asm else 0, num_warps=config.num_warps,
+        PREFETCH=down_prefetch, num_warps=config.num_warps,
         launch_pdl=launch_pdl,
     )  # fmt: skip
     return out

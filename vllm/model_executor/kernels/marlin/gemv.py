@@ -32,7 +32,11 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_l1
+from vllm.model_executor.kernels.common.prefetch import (
+    check_prefetch,
+    prefetch_l1,
+    prefetch_steps,
+)
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
 # Up to this many rows of A the kernel takes a GemvConfig (its accumulators);
@@ -190,7 +194,7 @@ def dot_rows(
     PDL: tl.constexpr,
     X_PER_ROW: tl.constexpr = False,  # x_ptr per weight row (BLOCK_M 1)
     NIBBLES_IN_ORDER: tl.constexpr = False,  # nibble i: column i (W4A8's packing)
-    PREFETCH: tl.constexpr = 0,  # K steps into L1 past the next (ASM, EVEN_K)
+    PREFETCH: tl.constexpr = 0,  # K steps into L1 past the next (EVEN_K)
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
     the (up to 4) rows of A, or with each weight row's own row of A
@@ -239,7 +243,7 @@ def dot_rows(
     acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     packed = _load_words(w_ptrs, offs_w, 0, K, BLOCK_K, EVEN_K)
-    PREFETCHES: tl.constexpr = PREFETCH if ASM and EVEN_K else 0
+    PREFETCHES: tl.constexpr = PREFETCH if EVEN_K else 0
     if PREFETCHES > 0:
         w_lines = w_rows[:, None] + (tl.arange(0, WORDS // 32) * 32)[None, :]
         groups = tl.arange(0, BLOCK_K // GROUP_SIZE if GROUP_SIZE > 0 else 1)
@@ -389,7 +393,7 @@ def launch_gemv(
         EVEN_K=k % cfg.block_k == 0,
         ASM=inline_ptx(a.device, _marlin_gemv_kernel),
         PDL=launch_pdl,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=prefetch_steps(cfg.prefetch, a.device, _marlin_gemv_kernel),
         num_warps=cfg.num_warps,
         launch_pdl=launch_pdl,
     )

@@ -50,7 +50,7 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import check_prefetch
+from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_steps
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -484,8 +484,9 @@ def _launch(
         BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
         ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e,
-        BLOCK_R=block_r, PREFETCH=config.gated_prefetch, num_warps=config.gated_warps,
-        launch_pdl=launch_pdl,
+        BLOCK_R=block_r,
+        PREFETCH=prefetch_steps(config.gated_prefetch, x.device, _gated_kernel),
+        num_warps=config.gated_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_sum_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden,
@@ -497,7 +498,8 @@ def _launch(
         TOPK=block_r, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
         ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, RENORMALIZE=routing.renormalize,
-        BLOCK_E=block_e, PREFETCH=config.down_prefetch, num_warps=config.down_warps,
-        launch_pdl=launch_pdl,
+        BLOCK_E=block_e,
+        PREFETCH=prefetch_steps(config.down_prefetch, x.device, _down_sum_kernel),
+        num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
