@@ -247,7 +247,8 @@ def _ring_fill(ring, step, steps, slot):
     async_copy.commit_group()
 
 
-# Into L1 ahead of the step that reads it (no register held).
+# Into L1 ahead of the step that reads it, no register held (Gluon's
+# twin of common/prefetch.prefetch_l1).
 _PREFETCH_L1 = gl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
 
 
