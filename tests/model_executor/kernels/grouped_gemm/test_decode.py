@@ -14,6 +14,7 @@ from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
+    cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
@@ -216,37 +217,21 @@ def compile_kernels() -> None:
     """Both kernels at one token's tiles (fp8 weights with scales), with and
     without prefetching 3 K steps (run in a process of its own by the test
     below): their L1 prefetches and registers in the SASS."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     cfg = default_decode_config(1, FP8_DTYPE)
     common = dict(HAS_MAP=False, HAS_SCALE=True, PDL=True, ROUTED=False, BLOCK_E=128)
     gated = common | dict(MODE=0, ALPHA=1.702, LIMIT=7.0, BLOCK_N=cfg.gated_block_n,
                           BLOCK_K=cfg.gated_block_k, BLOCK_R=8)  # fmt: skip
     down = common | dict(BLOCK_R=8, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
                          RENORMALIZE=False)  # fmt: skip
-    types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*fp8e4nv",
-             "w_scale_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
+    pointers = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*fp8e4nv",
+                "w_scale_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
     for kernel, consts in ((_decode_gated_kernel, gated), (_decode_down_kernel, down)):
         for prefetch in (0, 3):
-            built = consts | {"PREFETCH": prefetch}
-            args = [p.name for p in kernel.params if p.name not in built]
-            signature = {
-                a: types.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
-            }
-            signature |= dict.fromkeys(built, "constexpr")
-            # As a launch at Qwen3-30B-A3B's sizes specializes them.
-            aligned = {(i,): [["tt.divisibility", 16]]
-                       for i, a in enumerate(args) if a.endswith("_ptr") or a in
-                       ("K", "inter", "hidden", "stride_x", "stride_act",
-                        "stride_out")}  # fmt: skip
-            source = ASTSource(kernel, signature, constexprs=built, attrs=aligned)
-            compiled = triton.compile(
-                source, target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": cfg.num_warps},
+            cubin = cubin_for_sm90(
+                kernel, consts | {"PREFETCH": prefetch}, pointers,
+                ("K", "inter", "hidden", "stride_x", "stride_act", "stride_out"),
+                cfg.num_warps,
             )  # fmt: skip
-            cubin = compiled.asm["cubin"]
             prefetches = _sass(cubin).count("CCTL.E.PF1")
             print(COMPILED, json.dumps([prefetch, prefetches, registers(cubin)]))
 

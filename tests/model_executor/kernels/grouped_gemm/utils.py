@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,38 @@ def compile_for_sm90(
         )
         wgmma = "wgmma.mma_async" in compiled.asm["ptx"]
         print(COMPILED, json.dumps([wgmma, compiled.metadata.shared]))
+
+
+def cubin_for_sm90(
+    kernel: triton.JITFunction,
+    consts: Mapping[str, object],
+    pointers: Mapping[str, str],
+    aligned: tuple[str, ...],
+    num_warps: int,
+) -> bytes:
+    """``kernel`` (plain Triton) built for Hopper: its other arguments are
+    pointers (``*bf16`` unless ``pointers`` names their type) and int32
+    scalars; the pointers and the scalars named in ``aligned`` 16-byte
+    divisible, as a launch at model sizes specializes them."""
+    # Triton internals: imported here, so that a move fails this test only.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    args = [p.name for p in kernel.params if p.name not in consts]
+    signature = {
+        a: pointers.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
+    }
+    signature |= dict.fromkeys(consts, "constexpr")
+    divisible = {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(args)
+        if a.endswith("_ptr") or a in aligned
+    }
+    source = ASTSource(kernel, signature, constexprs=dict(consts), attrs=divisible)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    return compiled.asm["cubin"]
 
 
 def compiled_in_own_process(module: str) -> list[tuple[Any, ...]]:

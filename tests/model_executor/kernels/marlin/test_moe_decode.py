@@ -19,6 +19,7 @@ from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
+    cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
@@ -358,10 +359,6 @@ def compile_kernels() -> None:
     """GEMM1 and GEMM2 in the shipped tiles (bf16, group scales) with and
     without prefetching (run in a process of its own by the test below):
     their L1 prefetches and registers in the SASS."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     cfg = PREFETCHED
     common = dict(HAS_MAP=False, NIBBLES_IN_ORDER=False, GROUP_SIZE=128, ASM=True,
                   PDL=True, ROUTED=False, BLOCK_E=128, EVEN_K=True)  # fmt: skip
@@ -371,29 +368,19 @@ def compile_kernels() -> None:
     )  # fmt: skip
     down = common | dict(TOPK=8, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
                          RENORMALIZE=False)  # fmt: skip
-    types = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
-             "weights_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
+    pointers = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
+                "weights_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
     for kernel, consts, warps, prefetch in (
         (_gated_kernel, gated, cfg.gated_warps, cfg.gated_prefetch),
         (_down_sum_kernel, down, cfg.down_warps, cfg.down_prefetch),
     ):
         for pf in (0, prefetch):
-            built = consts | {"PREFETCH": pf}
-            args = [p.name for p in kernel.params if p.name not in built]
-            signature = {
-                a: types.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
-            }
-            signature |= dict.fromkeys(built, "constexpr")
-            # As a launch at Qwen3-30B-A3B's sizes specializes them.
-            aligned = {(i,): [["tt.divisibility", 16]]
-                       for i, a in enumerate(args) if a.endswith("_ptr") or a in
-                       ("K", "inter", "hidden", "stride_x", "stride_act",
-                        "stride_we", "stride_se")}  # fmt: skip
-            source = ASTSource(kernel, signature, constexprs=built, attrs=aligned)
-            compiled = triton.compile(
-                source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-            )
-            cubin = compiled.asm["cubin"]
+            cubin = cubin_for_sm90(
+                kernel, consts | {"PREFETCH": pf}, pointers,
+                ("K", "inter", "hidden", "stride_x", "stride_act", "stride_we",
+                 "stride_se"),
+                warps,
+            )  # fmt: skip
             prefetches = _sass(cubin).count("CCTL.E.PF1")
             print(COMPILED, json.dumps([pf, prefetches, registers(cubin), warps]))
 
