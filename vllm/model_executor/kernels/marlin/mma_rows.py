@@ -303,8 +303,8 @@ def _ring_words(ring, slot, layout: gl.constexpr):
 
 @gluon.jit
 def append(items, item):
-    """``items`` with ``item`` at the end (the kernels' tuples: rings,
-    blocks of A rows)."""
+    """``items`` with ``item`` at the end (the kernels' tuples: blocks of
+    A rows, their sums)."""
     return items + (item,)  # noqa: RUF005 (Gluon compiles no starred tuple)
 
 
