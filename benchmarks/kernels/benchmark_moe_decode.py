@@ -19,7 +19,8 @@ copy bandwidth measured in the same run), the ratios to it, and the kernel
 launches per call and the decode path's kernels with their device times
 (profiled eagerly, without PDL). With ``--sweep`` it also times the decode
 kernels alone over a grid of tiles and prints the fastest per token count
-up to 8.
+up to 8; ``--sweep ahead`` times only the shipped tiles with K steps kept
+ahead (L1 prefetch distances, the tensor-core kernels' ring depths).
 
     python -m benchmarks.kernels.benchmark_moe_decode --tokens 1 2 4 8 16 64
 """
@@ -231,12 +232,16 @@ def bench(
     )  # fmt: skip
     if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
         sweep = (
-            sweep_uint4_tiles(experts, hidden[0], ids)
+            sweep_uint4_tiles(experts, hidden[0], ids, args.sweep == "ahead")
             if args.sweep and tokens <= type(experts).decode_max_tokens
             else {}
         )
         return row, sweep, str(default_marlin_decode_config())
-    sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
+    sweep = (
+        sweep_tiles(experts, hidden[0], ids, args.sweep == "ahead")
+        if args.sweep and tokens <= 8
+        else {}
+    )
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
@@ -244,6 +249,7 @@ def sweep_uint4_tiles(
     experts: MarlinExperts | TritonExpertsW4A8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
+    ahead_only: bool,
 ) -> dict[str, float]:
     """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8), the
     CUDA-core kernels' tiles and the tensor-core kernels'."""
@@ -260,7 +266,8 @@ def sweep_uint4_tiles(
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
     out = torch.empty_like(hidden)
     steps: dict[str, Callable[[int], None]] = {}
-    configs = []
+    shipped = default_marlin_decode_config()
+    configs = [shipped]
     for gated, down_tile in itertools.product(
         (
             (4, 1024, 4),
@@ -273,11 +280,13 @@ def sweep_uint4_tiles(
         ),
         ((1, 256, 1), (2, 256, 1), (4, 256, 1), (1, 512, 2), (2, 512, 2)),
     ):
-        configs.append(MarlinDecodeConfig(*gated, *down_tile))
+        if not ahead_only:
+            configs.append(MarlinDecodeConfig(*gated, *down_tile))
     # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
     for prefetch in ((1, 1), (3, 2), (8, 8)):
-        configs.append(MarlinDecodeConfig(8, 512, 2, 2, 256, 1, *prefetch))
-    for config in configs:
+        configs.append(dataclasses.replace(shipped, gated_prefetch=prefetch[0],
+                                           down_prefetch=prefetch[1]))  # fmt: skip
+    for config in dict.fromkeys(configs):
 
         def step(it: int, config: MarlinDecodeConfig = config) -> None:
             marlin_moe_decode(
@@ -294,9 +303,11 @@ def sweep_uint4_tiles(
     depths = itertools.product(  # and the shipped tiles at other depths
         ((2, 2, 4), (4, 2, 2)),
         ((1, 1, 8), (2, 2, 8)),
-        ((1, 1), (4, 4), (4, 6), (8, 6)),
+        ((1, 1), (2, 2), (3, 3), (4, 4), (4, 6), (8, 6)),
     )
-    for gated_mma, down_mma, depth in itertools.chain(tiles, depths):
+    for gated_mma, down_mma, depth in itertools.chain(
+        () if ahead_only else tiles, depths
+    ):
         mma = MmaMoeDecodeConfig(*gated_mma, *down_mma, *depth)
 
         def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
@@ -313,6 +324,7 @@ def sweep_tiles(
     experts: TritonExperts | TritonExpertsFp8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
+    ahead_only: bool,
 ) -> dict[str, float]:
     """The decode kernels alone, per tile configuration, each call on its
     own routing (one routing for all would keep its experts in L2)."""
@@ -324,20 +336,22 @@ def sweep_tiles(
     scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
     steps = {}
     routes = triton.next_power_of_2(ids[0].shape[1])
-    configs = []
+    shipped = default_decode_config(ids[0].shape[0], experts.w13.dtype)
+    configs = [shipped]
     for gn, gk, dn, dk, warps in itertools.product(
         (4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8, 16), (128, 256, 512), (4, 8)
     ):
         threads = 32 * warps
-        if 2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads:
-            continue
-        configs.append(DecodeConfig(gn, gk, dn, dk, warps))
+        too_big = (
+            2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads
+        )
+        if not (too_big or ahead_only):
+            configs.append(DecodeConfig(gn, gk, dn, dk, warps))
     # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
-    shipped = default_decode_config(ids[0].shape[0], experts.w13.dtype)
     for prefetch in ((1, 1), (3, 2), (7, 2)):
         configs.append(dataclasses.replace(shipped, gated_prefetch=prefetch[0],
                                            down_prefetch=prefetch[1]))  # fmt: skip
-    for config in configs:
+    for config in dict.fromkeys(configs):
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(
@@ -354,7 +368,11 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", choices=sorted(SCHEMES), default=None)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     add_moe_dims_args(parser)
-    parser.add_argument("--sweep", action="store_true", help="also sweep the tiles")
+    parser.add_argument(
+        "--sweep", nargs="?", const="tiles", choices=["tiles", "ahead"], default=None,
+        help="also sweep the tiles; 'ahead': only the shipped tiles with K steps "
+        "kept ahead (L1 prefetch distances, ring depths)",
+    )  # fmt: skip
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
