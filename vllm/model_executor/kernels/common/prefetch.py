@@ -47,3 +47,13 @@ def prefetch_l1(ptrs, mask=None):
             " mov.u32 $0, 0;", "=r,l,r", [ptrs, mask.to(tl.int32)],
             dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+
+
+@triton.jit
+def prefetch_row_step(rows, k, K, BLOCK_K: tl.constexpr, mask=None):
+    """Prefetch into L1 the 128-byte lines of K step ``k`` of weight rows
+    ``rows`` (pointers to their first elements, with a last dimension of 1;
+    columns past K: the last) where ``mask``."""
+    LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth
+    LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
+    prefetch_l1(rows + tl.minimum(k + tl.arange(0, LINES) * LINE, K - 1), mask)

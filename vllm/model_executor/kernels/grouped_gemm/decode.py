@@ -59,7 +59,7 @@ from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.prefetch import (
     check_prefetch,
-    prefetch_l1,
+    prefetch_row_step,
     prefetch_steps,
 )
 from vllm.model_executor.kernels.common.topk_softmax import (
@@ -76,16 +76,6 @@ from vllm.model_executor.kernels.moe_permute.sort import local_expert, route_buc
 # weight reads cost little while few tokens share an expert (top-8 of 128:
 # ~7% re-read at 4 tokens); above it the sorted path reads each expert once.
 DECODE_MAX_TOKENS = 8
-
-
-@triton.jit
-def _prefetch_rows(rows, k, K, BLOCK_K: tl.constexpr, mask=None):
-    """Prefetch into L1 the 128-byte lines of K step ``k`` of weight rows
-    ``rows`` (pointers to their first elements, with a last dimension of 1;
-    columns past K: the last) where ``mask``."""
-    LINE: tl.constexpr = 1024 // rows.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
-    prefetch_l1(rows + tl.minimum(k + tl.arange(0, LINES) * LINE, K - 1), mask)
 
 
 @triton.jit
@@ -146,7 +136,7 @@ def _decode_gated_kernel(
         # Rows past the expert's: its last (in bounds).
         w_lines = w_ptr + (w_row - rows + tl.minimum(rows, 2 * inter - 1))[:, None] * K
         for step in tl.static_range(1, PREFETCH + 1):
-            _prefetch_rows(w_lines, step * BLOCK_K, K, BLOCK_K)
+            prefetch_row_step(w_lines, step * BLOCK_K, K, BLOCK_K)
         acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
@@ -155,7 +145,7 @@ def _decode_gated_kernel(
             w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
-                _prefetch_rows(w_lines, k + (PREFETCH + 1) * BLOCK_K, K, BLOCK_K)
+                prefetch_row_step(w_lines, k + (PREFETCH + 1) * BLOCK_K, K, BLOCK_K)
         product = tl.sum(acc, axis=1)
         if HAS_SCALE:
             scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
@@ -247,7 +237,7 @@ def _decode_down_kernel(
     w_lines = w_lines[:, :, None]
     routed = valid[:, None, None]
     for step in tl.static_range(1, PREFETCH + 1):
-        _prefetch_rows(w_lines, step * BLOCK_K, inter, BLOCK_K, routed)
+        prefetch_row_step(w_lines, step * BLOCK_K, inter, BLOCK_K, routed)
     pdl_wait(PDL)  # act is the previous kernel's
     for k in range(0, inter, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
@@ -263,7 +253,7 @@ def _decode_down_kernel(
             other=0.0,
         )
         if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
-            _prefetch_rows(
+            prefetch_row_step(
                 w_lines, k + (PREFETCH + 1) * BLOCK_K, inter, BLOCK_K, routed
             )
     if HAS_SCALE:
