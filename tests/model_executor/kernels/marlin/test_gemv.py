@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
+from vllm.model_executor.kernels.common import prefetch as prefetch_module
 from vllm.model_executor.kernels.marlin import (
     gemv,
     marlin_gemm,
@@ -148,6 +149,8 @@ def test_prefetches_stay_in_the_weights(device, monkeypatch):
     if device.type != "cpu":
         pytest.skip("records the prefetches under the interpreter")
     recorder = PrefetchRecorder()
+    # the words through prefetch_row_step, the scales directly
+    monkeypatch.setattr(prefetch_module, "prefetch_l1", recorder)
     monkeypatch.setattr(gemv, "prefetch_l1", recorder)
     monkeypatch.setattr(gemv, "prefetch_steps", lambda steps, *_: steps)
     n, k = 40, 768

@@ -35,6 +35,7 @@ from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.prefetch import (
     check_prefetch,
     prefetch_l1,
+    prefetch_row_step,
     prefetch_steps,
 )
 from vllm.model_executor.kernels.marlin.config import TILE_K
@@ -163,16 +164,15 @@ def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 @triton.jit
 def _prefetch_step(
-    w_lines, s_lines, k, K, s_group_stride, GROUP_SIZE: tl.constexpr,
+    w_rows, s_lines, k, K, s_group_stride, GROUP_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Prefetch into L1 the words of K step ``k`` (past the last: the
-    last's) and, where the steps are whole groups, their scales: ``w_lines``
-    each row's 128-byte lines of step 0, ``s_lines`` each row's scales of
-    step 0's groups (one a thread: the tensors are small)."""
-    k = tl.minimum(k, K - BLOCK_K)
-    prefetch_l1(w_lines + k // 8)
+    last's) of rows ``w_rows`` ([BLOCK_N, 1]) and, where the steps are whole
+    groups, their scales (``s_lines``: each row's of step 0's groups)."""
+    prefetch_row_step(w_rows, k // 8, K // 8, BLOCK_K // 8)
     if GROUP_SIZE > 0 and BLOCK_K % GROUP_SIZE == 0:
+        k = tl.minimum(k, K - BLOCK_K)
         prefetch_l1(s_lines + (k // GROUP_SIZE) * s_group_stride)
 
 
@@ -245,13 +245,12 @@ def dot_rows(
     packed = _load_words(w_ptrs, offs_w, 0, K, BLOCK_K, EVEN_K)
     PREFETCHES: tl.constexpr = PREFETCH if EVEN_K else 0
     if PREFETCHES > 0:
-        w_lines = w_rows[:, None] + (tl.arange(0, WORDS // 32) * 32)[None, :]
         groups = tl.arange(0, BLOCK_K // GROUP_SIZE if GROUP_SIZE > 0 else 1)
         s_lines = s_rows[:, None] + groups[None, :] * s_group_stride
         for step in tl.static_range(1, PREFETCHES + 1):
             _prefetch_step(
-                w_lines, s_lines, step * BLOCK_K, K, s_group_stride, GROUP_SIZE,
-                BLOCK_K,
+                w_rows[:, None], s_lines, step * BLOCK_K, K, s_group_stride,
+                GROUP_SIZE, BLOCK_K,
             )  # fmt: skip
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
@@ -301,8 +300,8 @@ def dot_rows(
             # Last in the step: ptxas keeps loads above a prefetch (the words'
             # above would then hold their registers through the step).
             _prefetch_step(
-                w_lines, s_lines, k + (PREFETCHES + 1) * BLOCK_K, K, s_group_stride,
-                GROUP_SIZE, BLOCK_K,
+                w_rows[:, None], s_lines, k + (PREFETCHES + 1) * BLOCK_K, K,
+                s_group_stride, GROUP_SIZE, BLOCK_K,
             )  # fmt: skip
         packed = packed_next
     if GROUP_SIZE < 0:
