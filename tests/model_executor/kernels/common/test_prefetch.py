@@ -4,11 +4,13 @@ their prefetches point (``marlin/test_gemv.py``, ``marlin/test_moe_decode.py``,
 ``grouped_gemm/test_decode.py``); their sm_90 build tests count them."""
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
+from vllm.model_executor.kernels.common import prefetch
 from vllm.model_executor.kernels.common.prefetch import MAX_PREFETCH, check_prefetch
 
 
@@ -33,6 +35,19 @@ class PrefetchRecorder:
 
     def __init__(self) -> None:
         self.addresses: list[np.ndarray] = []
+
+    @classmethod
+    def installed(
+        cls, monkeypatch: pytest.MonkeyPatch, launcher: ModuleType, *users: ModuleType
+    ) -> "PrefetchRecorder":
+        """A recorder in place of ``prefetch_l1`` (in common/prefetch.py and
+        in ``users``, which import it), with ``launcher``'s prefetch distances
+        passed as asked."""
+        recorder = cls()
+        for module in (prefetch, *users):
+            monkeypatch.setattr(module, "prefetch_l1", recorder)
+        monkeypatch.setattr(launcher, "prefetch_steps", lambda steps, *_: steps)
+        return recorder
 
     def __call__(self, ptrs, mask=None) -> None:
         addresses = np.asarray(ptrs.handle.data).astype(np.int64)

@@ -17,7 +17,6 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
-from vllm.model_executor.kernels.common import prefetch as prefetch_module
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm import (
@@ -191,9 +190,7 @@ def test_prefetches_stay_in_the_routed_weights(device, monkeypatch):
     and a remote expert."""
     if device.type != "cpu":
         pytest.skip("records the prefetches under the interpreter")
-    recorder = PrefetchRecorder()
-    monkeypatch.setattr(prefetch_module, "prefetch_l1", recorder)
-    monkeypatch.setattr(decode, "prefetch_steps", lambda steps, *_: steps)
+    recorder = PrefetchRecorder.installed(monkeypatch, decode)
     experts, hidden, inter = 6, 64, 48
     w13, _, w2, _ = make_weights(device, torch.float32, experts, hidden, inter)
     expert_map = torch.tensor([0, 1, -1, 2, 3, 4, 5], dtype=torch.int32)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
-from vllm.model_executor.kernels.common import prefetch as prefetch_module
 from vllm.model_executor.kernels.marlin import (
     gemv,
     marlin_gemm,
@@ -148,11 +147,7 @@ def test_prefetches_stay_in_the_weights(device, monkeypatch):
     with rows past N in the last program."""
     if device.type != "cpu":
         pytest.skip("records the prefetches under the interpreter")
-    recorder = PrefetchRecorder()
-    # the words through prefetch_row_step, the scales directly
-    monkeypatch.setattr(prefetch_module, "prefetch_l1", recorder)
-    monkeypatch.setattr(gemv, "prefetch_l1", recorder)
-    monkeypatch.setattr(gemv, "prefetch_steps", lambda steps, *_: steps)
+    recorder = PrefetchRecorder.installed(monkeypatch, gemv, gemv)
     n, k = 40, 768
     a, packed, scales, exact, bound = _problem(1, n, k, 128, torch.float16, device)
     out = torch.full((1, n), float("nan"), dtype=torch.float16)

@@ -22,7 +22,6 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
-from vllm.model_executor.kernels.common import prefetch as prefetch_module
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
@@ -333,11 +332,7 @@ def test_prefetches_stay_in_the_weights(device, monkeypatch, w4a8):
     scales, in both packings: invalid ids and the last expert included."""
     if device.type != "cpu":
         pytest.skip("records the prefetches under the interpreter")
-    recorder = PrefetchRecorder()
-    # the words through prefetch_row_step, the scales directly
-    monkeypatch.setattr(prefetch_module, "prefetch_l1", recorder)
-    monkeypatch.setattr(gemv, "prefetch_l1", recorder)
-    monkeypatch.setattr(moe_decode, "prefetch_steps", lambda steps, *_: steps)
+    recorder = PrefetchRecorder.installed(monkeypatch, moe_decode, gemv)
     tokens, hidden, inter, experts, topk = 3, 512, 256, 3, 3
     w13, s13, w2, s2 = _weights(
         experts, hidden, inter, torch.float16, device, w4a8=w4a8
