@@ -19,8 +19,7 @@ copy bandwidth measured in the same run), the ratios to it, and the kernel
 launches per call and the decode path's kernels with their device times
 (profiled eagerly, without PDL). With ``--sweep`` it also times the decode
 kernels alone over a grid of tiles and prints the fastest per token count
-up to 8; ``--sweep ahead`` times only the shipped tiles with K steps kept
-ahead (L1 prefetch distances, the tensor-core kernels' ring depths).
+up to 8.
 
     python -m benchmarks.kernels.benchmark_moe_decode --tokens 1 2 4 8 16 64
 """
@@ -29,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -232,16 +230,12 @@ def bench(
     )  # fmt: skip
     if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
         sweep = (
-            sweep_uint4_tiles(experts, hidden[0], ids, args.sweep == "ahead")
+            sweep_uint4_tiles(experts, hidden[0], ids)
             if args.sweep and tokens <= type(experts).decode_max_tokens
             else {}
         )
         return row, sweep, str(default_marlin_decode_config())
-    sweep = (
-        sweep_tiles(experts, hidden[0], ids, args.sweep == "ahead")
-        if args.sweep and tokens <= 8
-        else {}
-    )
+    sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
@@ -249,7 +243,6 @@ def sweep_uint4_tiles(
     experts: MarlinExperts | TritonExpertsW4A8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
-    ahead_only: bool,
 ) -> dict[str, float]:
     """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8), the
     CUDA-core kernels' tiles and the tensor-core kernels'."""
@@ -266,8 +259,6 @@ def sweep_uint4_tiles(
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
     out = torch.empty_like(hidden)
     steps: dict[str, Callable[[int], None]] = {}
-    shipped = default_marlin_decode_config()
-    configs = [shipped]
     for gated, down_tile in itertools.product(
         (
             (4, 1024, 4),
@@ -280,13 +271,7 @@ def sweep_uint4_tiles(
         ),
         ((1, 256, 1), (2, 256, 1), (4, 256, 1), (1, 512, 2), (2, 512, 2)),
     ):
-        if not ahead_only:
-            configs.append(MarlinDecodeConfig(*gated, *down_tile))
-    # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
-    for prefetch in ((1, 1), (3, 2), (8, 8)):
-        configs.append(dataclasses.replace(shipped, gated_prefetch=prefetch[0],
-                                           down_prefetch=prefetch[1]))  # fmt: skip
-    for config in dict.fromkeys(configs):
+        config = MarlinDecodeConfig(*gated, *down_tile)
 
         def step(it: int, config: MarlinDecodeConfig = config) -> None:
             marlin_moe_decode(
@@ -295,20 +280,11 @@ def sweep_uint4_tiles(
             )  # fmt: skip
 
         steps[str(config)] = step
-    tiles = itertools.product(  # the tensor-core kernels' tiles at depth 2
+    for gated_mma, down_mma in itertools.product(  # the tensor-core kernels
         ((1, 1, 1), (2, 1, 2), (2, 2, 4), (4, 2, 2), (4, 4, 2), (2, 1, 8)),
         ((1, 1, 8), (1, 1, 4), (2, 2, 8), (4, 4, 8)),
-        ((2, 2),),
-    )
-    depths = itertools.product(  # and the shipped tiles at other depths
-        ((2, 2, 4), (4, 2, 2)),
-        ((1, 1, 8), (2, 2, 8)),
-        ((1, 1), (2, 2), (3, 3), (4, 4), (4, 6), (8, 6)),
-    )
-    for gated_mma, down_mma, depth in itertools.chain(
-        () if ahead_only else tiles, depths
     ):
-        mma = MmaMoeDecodeConfig(*gated_mma, *down_mma, *depth)
+        mma = MmaMoeDecodeConfig(*gated_mma, *down_mma)
 
         def mma_step(it: int, config: MmaMoeDecodeConfig = mma) -> None:
             marlin_moe_decode(
@@ -324,7 +300,6 @@ def sweep_tiles(
     experts: TritonExperts | TritonExpertsFp8,
     hidden: torch.Tensor,
     ids: list[torch.Tensor],
-    ahead_only: bool,
 ) -> dict[str, float]:
     """The decode kernels alone, per tile configuration, each call on its
     own routing (one routing for all would keep its experts in L2)."""
@@ -336,22 +311,13 @@ def sweep_tiles(
     scales = (getattr(experts, "w13_scale", None), getattr(experts, "w2_scale", None))
     steps = {}
     routes = triton.next_power_of_2(ids[0].shape[1])
-    shipped = default_decode_config(ids[0].shape[0], experts.w13.dtype)
-    configs = [shipped]
     for gn, gk, dn, dk, warps in itertools.product(
         (4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8, 16), (128, 256, 512), (4, 8)
     ):
         threads = 32 * warps
-        too_big = (
-            2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads
-        )
-        if not (too_big or ahead_only):
-            configs.append(DecodeConfig(gn, gk, dn, dk, warps))
-    # The shipped tiles with K steps prefetched into L1 (GEMM1, GEMM2).
-    for prefetch in ((1, 1), (3, 2), (7, 2)):
-        configs.append(dataclasses.replace(shipped, gated_prefetch=prefetch[0],
-                                           down_prefetch=prefetch[1]))  # fmt: skip
-    for config in dict.fromkeys(configs):
+        if 2 * gn * gk > MAX_ACC * threads or routes * dn * dk > MAX_ACC * threads:
+            continue
+        config = DecodeConfig(gn, gk, dn, dk, warps)
 
         def step(it: int, config: DecodeConfig = config) -> None:
             moe_decode(
@@ -368,11 +334,7 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", choices=sorted(SCHEMES), default=None)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     add_moe_dims_args(parser)
-    parser.add_argument(
-        "--sweep", nargs="?", const="tiles", choices=["tiles", "ahead"], default=None,
-        help="also sweep the tiles; 'ahead': only the shipped tiles with K steps "
-        "kept ahead (L1 prefetch distances, ring depths)",
-    )  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="also sweep the tiles")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

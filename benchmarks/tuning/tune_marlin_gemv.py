@@ -61,16 +61,12 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument(
-        "--prefetch", type=int, nargs="+", default=[0],
-        help="GemvConfig K steps prefetched into L1 past the next",
-    )  # fmt: skip
-    parser.add_argument(
         "--mma",
         nargs="+",
         default=["1x1x1", "1x1x2", "1x1x4", "1x1x8", "2x1x2", "2x1x4", "2x1x8",
                  "2x2x2", "2x2x4", "2x2x8", "4x2x2", "4x2x4", "4x4x1", "4x4x2",
                  "4x4x4"],
-        help="MmaGemvConfig row_tiles x tiles_per_warp x k_split [x depth]",
+        help="MmaGemvConfig row_tiles x tiles_per_warp x k_split",
     )  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -92,17 +88,16 @@ def main() -> None:
             ref = a.float() @ w_deq.float().t()
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             cfgs: dict[str, MarlinConfig | GemvConfig | MmaGemvConfig] = {
-                f"gemv n{bn} k{bk} w{nw} p{pf}": GemvConfig(bn, bk, nw, pf)
-                for bn, bk, nw, pf in itertools.product(
-                    args.block_n, args.block_k, args.warps, args.prefetch
+                f"gemv n{bn} k{bk} w{nw}": GemvConfig(bn, bk, nw)
+                for bn, bk, nw in itertools.product(
+                    args.block_n, args.block_k, args.warps
                 )
                 if bk // 8 >= 32 * nw and bk <= k and m <= GEMV_MAX_M
             }
             if m <= MMA_GEMV_MAX_M:
                 for spec in args.mma:
-                    mma = MmaGemvConfig(*(int(v) for v in spec.split("x")))
-                    name = f"mma r{mma.row_tiles} t{mma.tiles_per_warp} "
-                    cfgs[name + f"k{mma.k_split} d{mma.depth}"] = mma
+                    rt, tpw, ks = (int(v) for v in spec.split("x"))
+                    cfgs[f"mma r{rt} t{tpw} k{ks}"] = MmaGemvConfig(rt, tpw, ks)
             cfgs["tensor-core"] = default_config(m, n, k, dev)
             steps = {}
             for name, cfg in cfgs.items():

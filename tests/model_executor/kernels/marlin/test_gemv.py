@@ -6,7 +6,6 @@ product with the dequantized weights kept in fp32; the bound is the output's
 go through TRITON_INTERPRET at tiny sizes; ``gpu`` tests use model sizes.
 """
 
-import dataclasses
 import functools
 import os
 import shutil
@@ -17,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from vllm.model_executor.kernels.marlin import (
-    gemv,
     marlin_gemm,
     marlin_workspace_numel,
     quantize_weights,
@@ -141,25 +138,6 @@ def test_rows_of_a_and_out_with_a_stride(device):
     assert bool((out[:, n:] == 7.0).all())
 
 
-def test_prefetches_stay_in_the_weights(device, monkeypatch):
-    """Every line the GEMV would prefetch (3 steps past the next, forced on
-    under the interpreter: past K) lies in the packed weights or scales,
-    with rows past N in the last program."""
-    if device.type != "cpu":
-        pytest.skip("records the prefetches under the interpreter")
-    recorder = PrefetchRecorder.installed(monkeypatch, gemv, gemv)
-    n, k = 40, 768
-    a, packed, scales, exact, bound = _problem(1, n, k, 128, torch.float16, device)
-    out = torch.full((1, n), float("nan"), dtype=torch.float16)
-    marlin_gemm(
-        a, packed, scales, _workspace(device), group_size=128, size_n=n, size_k=k,
-        out=out, config=GemvConfig(16, 256, 1, 3),
-    )  # fmt: skip
-    _check(out, exact, bound)
-    assert recorder.count() > 0
-    assert recorder.outside(packed, scales) == 0
-
-
 def test_bad_configs_raise(device):
     n, k = 16, 256
     a, packed, scales, _, _ = _problem(GEMV_MAX_M + 1, n, k, 128, torch.float16, device)
@@ -177,30 +155,23 @@ def test_bad_configs_raise(device):
         call(a[:1], config=GemvConfig(12, 256, 1))
     with pytest.raises(ValueError, match="num_warps"):
         call(a[:1], config=GemvConfig(8, 1024, 3))
-    for prefetch in (-1, 9):
-        with pytest.raises(ValueError, match=r"config: prefetch must be in 0\.\.8"):
-            call(a[:1], config=GemvConfig(8, 256, 1, prefetch))
 
 
 GPU_SHAPES = [(4096, 4096), (8192, 8192), (28672, 4096), (4096, 14336)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [0, 3])
 @pytest.mark.parametrize("group_size", [128, -1])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
-def test_gpu_model_sizes(shape, m, group_size, prefetch):
-    """The default configs, and the same prefetching 3 K steps into L1 (a
-    hint: the same result)."""
+def test_gpu_model_sizes(shape, m, group_size):
     n, k = shape
     dev = torch.device("cuda")
     a, packed, scales, exact, bound = _problem(m, n, k, group_size, torch.bfloat16, dev)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    config = dataclasses.replace(default_gemv_config(m, k), prefetch=prefetch)
     marlin_gemm(
         a, packed, scales, _workspace(dev), group_size=group_size, size_n=n,
-        size_k=k, out=out, config=config,
+        size_k=k, out=out, config=default_gemv_config(m, k),
     )  # fmt: skip
     _check(out, exact, bound)
 
@@ -251,9 +222,10 @@ SANITIZER = shutil.which("compute-sanitizer") or shutil.which(
 @pytest.mark.parametrize("module", ["test_gemv.py", "test_moe_decode.py"])
 def test_gpu_clamped_reads_stay_in_bounds(module):
     """The decode kernels clamp rows past N, rows of A past M, invalid expert
-    ids and the EVEN_K prefetch instead of masking them: the device tests of
-    ``module`` (partial tiles, invalid ids, row strides) under memcheck, with
-    the caching allocator off so that a read past any tensor is caught."""
+    ids and the EVEN_K load of the next step instead of masking them: the
+    device tests of ``module`` (partial tiles, invalid ids, row strides)
+    under memcheck, with the caching allocator off so that a read past any
+    tensor is caught."""
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", GPU_TESTS_ONLY="1")
     result = subprocess.run(
         [str(SANITIZER), "--tool", "memcheck", "--error-exitcode", "99",

@@ -69,8 +69,8 @@ def compile_kernels() -> None:
     args += ["stride_am", "stride_bn", "stride_sg", "stride_cm"]
     for dtype in ("bf16", "fp16"):
         for group_size in (128, -1):
-            for cfg, blocks in ((MmaGemvConfig(1, 1, 1, 1), 1),
-                                (MmaGemvConfig(2, 2, 4, 3), 2)):  # fmt: skip
+            for cfg, blocks in ((MmaGemvConfig(1, 1, 1), 1),
+                                (MmaGemvConfig(2, 2, 4), 2)):  # fmt: skip
                 ptr = f"*{dtype}"
                 types = [ptr, "*i32", ptr, ptr] + ["i32"] * 7
                 signature = dict(zip(args, types, strict=True))
@@ -79,7 +79,6 @@ def compile_kernels() -> None:
                     "ROW_TILES": cfg.row_tiles,
                     "TILES_PER_WARP": cfg.tiles_per_warp,
                     "K_SPLIT": cfg.k_split,
-                    "DEPTH": cfg.depth,
                     "A_BLOCKS": blocks,
                     "FP16": dtype == "fp16",
                     "PDL": True,
@@ -102,16 +101,9 @@ def compile_kernels() -> None:
                 mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}"
                 sass = _sass(compiled.asm["cubin"])
                 before, _, after = sass.partition("ACQBULK")
-                loads = [before.count(_WORDS[cfg.depth > 1]), after.count("LDG.E.128")]
+                loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
                 mmas = compiled.asm["ptx"].count(mma)
-                prefetches = sass.count("CCTL.E.PF1")
-                built = [cfg.tiles_per_warp, cfg.depth, blocks, group_size, mmas]
-                print(COMPILED, json.dumps([*built, loads, prefetches]))
-
-
-# The 16-byte word loads: into registers at depth 1, deeper into the shared
-# ring (cp.async).
-_WORDS = ("LDG.E.128", "LDGSTS.E.BYPASS.128")
+                print(COMPILED, json.dumps([cfg.tiles_per_warp, blocks, mmas, loads]))
 
 
 def _sass(cubin: bytes, option: str = "-sass") -> str:
@@ -131,41 +123,34 @@ def _sass(cubin: bytes, option: str = "-sass") -> str:
         return subprocess.run(run, capture_output=True, text=True, check=True).stdout
 
 
-def registers(cubin: bytes) -> int:
-    """Registers a thread of ``cubin``'s kernel takes."""
-    usage = _sass(cubin, "-res-usage")
-    return int(usage.split("REG:")[1].split()[0])
+def resources(cubin: bytes) -> dict[str, int]:
+    """What a thread of ``cubin``'s kernel takes, by cuobjdump's names:
+    ``REG`` registers, ``LOCAL`` and ``STACK`` bytes (spills)."""
+    usage = _sass(cubin, "-res-usage").split("REG:", 1)[1].splitlines()[0]
+    fields = dict(field.split(":") for field in ("REG:" + usage).split())
+    return {name: int(value) for name, value in fields.items() if value.isdigit()}
 
 
 def test_compiles_for_sm90_without_a_gpu():
     """Each build holds one K step's MMAs (8 per row tile of a warp, 8 for
     the offset, each for every block of 8 rows of A) and, as ptxas schedules
-    it, loads the first ``depth`` steps' words of rows g and g + 8 of each
-    tile before the PDL wait (into registers at depth 1, deeper by cp.async
-    into shared memory), the activations only after it (the PDL contract,
-    :mod:`~.common.pdl`); deeper rings prefetch into L1."""
+    it, loads the first step's words of rows g and g + 8 of each tile
+    before the PDL wait, the activations only after it (the PDL contract,
+    :mod:`~.common.pdl`)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 8
-    for build in builds:
-        tiles_per_warp, depth, blocks, group_size, mmas, loads, prefetches = build
-        before_wait, after_wait = loads
+    for tiles_per_warp, blocks, mmas, (before_wait, after_wait) in builds:
         assert mmas == (8 * tiles_per_warp + 8) * blocks
-        assert before_wait == 2 * depth * tiles_per_warp
+        assert before_wait == 2 * tiles_per_warp
         assert after_wait > 0
-        # The ring's L1 prefetches: each block's activations and (groups)
-        # each tile's two scales, for the first depth steps and in the loop.
-        reads = blocks + (2 * tiles_per_warp if group_size > 0 else 0)
-        assert prefetches == (depth + 1) * reads if depth > 1 else prefetches == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 13, MMA_GEMV_MAX_M])
 @pytest.mark.parametrize(
     "config",
-    # depth 1 (the default), 2 (the ring turns where a slice has 3 or more
-    # steps), 5 (more than a slice's steps in the shapes below)
-    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 1, 2, 2), MmaGemvConfig(2, 2, 4),
-     MmaGemvConfig(4, 2, 2, 5)],
+    [MmaGemvConfig(1, 1, 1), MmaGemvConfig(2, 1, 2), MmaGemvConfig(2, 2, 4),
+     MmaGemvConfig(4, 2, 2)],
     ids=str,
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -247,9 +232,6 @@ def test_bad_arguments_raise(device):
         call(a[:1], config=MmaGemvConfig(2, 4, 1))
     with pytest.raises(ValueError, match="config: tiles_per_warp must divide"):
         call(a[:1], config=MmaGemvConfig(8, 1, 4))  # 32 warps
-    for depth in (0, 9):
-        with pytest.raises(ValueError, match=r"config: depth must be in 1\.\.8"):
-            call(a[:1], config=MmaGemvConfig(1, 1, 1, depth))
     shifted = torch.zeros(1, k + 8, dtype=a.dtype, device=device)[:, 1 : k + 1]
     with pytest.raises(ValueError, match="a: an MmaGemvConfig reads 16-byte"):
         call(shifted, config=MmaGemvConfig(1, 1, 1))
@@ -263,9 +245,6 @@ def test_bad_arguments_raise(device):
     if device.type == "cpu":
         with pytest.raises(ValueError, match="config: an MmaGemvConfig runs compiled"):
             call(a[:1], config=MmaGemvConfig(1, 1, 1))
-    else:  # 64 warp tiles: a ring of 9 x 64 KB
-        with pytest.raises(ValueError, match="config: depth 8 over 64 warp tiles"):
-            call(a[:1], config=MmaGemvConfig(4, 4, 16, 8))
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
 
 from vllm.model_executor.kernels.marlin.mma_rows import (
-    MAX_DEPTH,
-    check_depth,
     check_warp_tiles,
-    ring_fits,
     rows_aligned,
 )
 
@@ -35,7 +31,6 @@ class Tiles:
     tiles: int
     per_warp: int
     slices: int
-    depth: int = 1
 
 
 NAMES = ("tiles", "per_warp", "slices")
@@ -49,31 +44,3 @@ def test_check_warp_tiles():
         check_warp_tiles(Tiles(2, 4, 1), NAMES)
     with pytest.raises(ValueError, match="in at most 16 warps"):
         check_warp_tiles(Tiles(4, 1, 8), NAMES)  # 32 warps
-
-
-def test_check_depth():
-    for depth in (1, MAX_DEPTH):
-        check_depth(Tiles(1, 1, 1, depth), "depth")
-    for depth in (0, MAX_DEPTH + 1):
-        with pytest.raises(
-            ValueError, match=f"config: depth must be in 1..{MAX_DEPTH}"
-        ):
-            check_depth(Tiles(1, 1, 1, depth), "depth")
-
-
-def test_ring_fits_names_the_config():
-    """Triton's error at a launch whose ring does not fit names the config;
-    other resources, and depth 1 (no ring), keep Triton's error. (A real
-    launch: ``test_gemv_mma.py::test_bad_arguments_raise`` on a GPU.)"""
-    deep = Tiles(4, 4, 16, 8)
-    message = (
-        r"config: depth 8 over 64 warp tiles is a ring of 576 KB of shared "
-        r"memory a program, more than the device's 227 KB: Tiles"
-    )
-    with pytest.raises(ValueError, match=message), ring_fits(deep, "depth", 64):
-        raise triton.OutOfResources(589824, 232448, "shared memory")
-    for config, resource in ((deep, "threads"), (Tiles(4, 4, 16), "shared memory")):
-        with pytest.raises(triton.OutOfResources), ring_fits(config, "depth", 64):
-            raise triton.OutOfResources(2048, 1024, resource)
-    with ring_fits(deep, "depth", 64):
-        pass

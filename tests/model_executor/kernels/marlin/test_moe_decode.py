@@ -15,25 +15,20 @@ import json
 import pytest
 import torch
 
-from tests.model_executor.kernels.common.test_prefetch import PrefetchRecorder
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
     cubin_for_sm90,
 )
-from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, registers
+from tests.model_executor.kernels.marlin.test_gemv_mma import resources
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
 from vllm.model_executor.kernels.grouped_gemm.layout import interleave_gate_up
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import quantize_w4
-from vllm.model_executor.kernels.marlin import (
-    gemv,
-    moe_decode,
-    quantize_weights,
-    repack_weights,
-)
+from vllm.model_executor.kernels.marlin import quantize_weights, repack_weights
 from vllm.model_executor.kernels.marlin.config import (
     MarlinDecodeConfig,
     decode_fits_topk,
+    default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import (
     _down_sum_kernel,
@@ -52,9 +47,6 @@ from vllm.model_executor.kernels.marlin.moe_decode_reference import (
 
 MODULE = "tests.model_executor.kernels.marlin.test_moe_decode"
 POISON = float("nan")
-# The shipped tiles with every K step of Qwen3-30B-A3B's experts prefetched
-# into L1 (GEMM1 4 steps of 512, GEMM2 3 of 256).
-PREFETCHED = MarlinDecodeConfig(8, 512, 2, 2, 256, 1, gated_prefetch=3, down_prefetch=2)
 
 
 def _pack(w: torch.Tensor, dtype: torch.dtype, group_size: int = 128):
@@ -310,8 +302,6 @@ def test_bad_inputs_raise(device):
         (4, 256, 1, 8, 256, 3),
         (4, 256, 1, 3, 256, 1),  # 2 x 3 rows: not a power of two
         (4, 256, 1, 128, 256, 1),  # 2 x 128 rows: past MAX_DOWN_ROWS
-        (4, 256, 1, 8, 256, 1, -1),  # prefetch
-        (4, 256, 1, 8, 256, 1, 0, 9),
     ):
         with pytest.raises(ValueError, match="config"):
             call(w13, s13, w2, s2, None, "silu", 128, act, out,
@@ -325,39 +315,11 @@ def test_decode_fits_topk_up_to_64():
     assert not decode_fits_topk(65)
 
 
-@pytest.mark.parametrize("w4a8", [False, True])
-def test_prefetches_stay_in_the_weights(device, monkeypatch, w4a8):
-    """Every line the kernels would prefetch (the distance forced on under
-    the interpreter, past their K steps) lies in the weights or their
-    scales, in both packings: invalid ids and the last expert included."""
-    if device.type != "cpu":
-        pytest.skip("records the prefetches under the interpreter")
-    recorder = PrefetchRecorder.installed(monkeypatch, moe_decode, gemv)
-    tokens, hidden, inter, experts, topk = 3, 512, 256, 3, 3
-    w13, s13, w2, s2 = _weights(
-        experts, hidden, inter, torch.float16, device, w4a8=w4a8
-    )
-    gen = torch.Generator().manual_seed(0)
-    ids = _ids(tokens, topk, experts, gen)
-    x = (torch.randn(tokens, hidden, generator=gen) / 4).half()
-    tw = torch.rand(tokens, topk, generator=gen)
-    act = torch.full((tokens * topk, inter), POISON, dtype=torch.float16)
-    out, ref = torch.empty(tokens, hidden).half(), torch.empty(tokens, hidden).half()
-    config = MarlinDecodeConfig(8, 256, 1, 4, 256, 1, gated_prefetch=3, down_prefetch=2)
-    marlin_moe_decode(x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act, out, config)
-    marlin_moe_decode_reference(
-        x, ids, tw, w13, s13, w2, s2, None, "silu", 128, act.clone(), ref
-    )
-    _close(out, ref, 2e-3)
-    assert recorder.count() > 0
-    assert recorder.outside(w13, s13, w2, s2) == 0
-
-
 def compile_kernels() -> None:
-    """GEMM1 and GEMM2 in the shipped tiles (bf16, group scales) with and
-    without prefetching (run in a process of its own by the test below):
-    their L1 prefetches and registers in the SASS."""
-    cfg = PREFETCHED
+    """GEMM1 and GEMM2 in the shipped tiles (bf16, group scales, inline
+    PTX) built for sm_90 (run in a process of its own by the test below):
+    their resources."""
+    cfg = default_marlin_decode_config()
     common = dict(HAS_MAP=False, NIBBLES_IN_ORDER=False, GROUP_SIZE=128, ASM=True,
                   PDL=True, ROUTED=False, BLOCK_E=128, EVEN_K=True)  # fmt: skip
     gated = common | dict(
@@ -368,58 +330,45 @@ def compile_kernels() -> None:
                          RENORMALIZE=False)  # fmt: skip
     pointers = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*i32",
                 "weights_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
-    for kernel, consts, warps, prefetch in (
-        (_gated_kernel, gated, cfg.gated_warps, cfg.gated_prefetch),
-        (_down_sum_kernel, down, cfg.down_warps, cfg.down_prefetch),
+    for kernel, consts, warps in (
+        (_gated_kernel, gated, cfg.gated_warps),
+        (_down_sum_kernel, down, cfg.down_warps),
     ):
-        for pf in (0, prefetch):
-            cubin = cubin_for_sm90(
-                kernel, consts | {"PREFETCH": pf}, pointers,
-                ("K", "inter", "hidden", "stride_x", "stride_act", "stride_we",
-                 "stride_se"),
-                warps,
-            )  # fmt: skip
-            prefetches = _sass(cubin).count("CCTL.E.PF1")
-            print(COMPILED, json.dumps([pf, prefetches, registers(cubin), warps]))
+        cubin = cubin_for_sm90(
+            kernel, consts, pointers,
+            ("K", "inter", "hidden", "stride_x", "stride_act", "stride_we",
+             "stride_se"),
+            warps,
+        )  # fmt: skip
+        usage = resources(cubin)
+        print(COMPILED, json.dumps([usage[name] for name in ("REG", "LOCAL", "STACK")]))
 
 
 def test_compiles_for_sm90_without_a_gpu():
-    """With ``PREFETCH`` p, each GEMM prefetches its words' lines and its
-    scales' for p steps before its loop and one step in it (one instruction
-    each a thread: the line pointers are spread over the lanes), and its
-    registers still let an SM hold as many programs (ptxas keeps its
-    register target: the loop's prefetch comes last in the step)."""
-
-    def programs_an_sm(regs: int, warps: int) -> int:
-        return 65536 // (-(-regs // 8) * 8 * 32 * warps)
-
+    """Both GEMMs build for sm_90 with their inline PTX (which the
+    interpreter never runs)."""
     builds = compiled_in_own_process(MODULE)
-    assert len(builds) == 4
-    for without, (pf, prefetches, regs, warps) in (builds[0:2], builds[2:4]):
-        assert without[1] == 0
-        assert prefetches == 2 * (pf + 1)
-        assert programs_an_sm(regs, warps) == programs_an_sm(without[2], warps)
+    assert len(builds) == 2
+    for registers, _, _ in builds:
+        assert 0 < registers <= 255
+    # GEMM2 takes 241 registers without spilling on Triton 3.6 (the GPU
+    # machine's); Triton 3.9 spills 32 bytes of stack at 255, so spills
+    # are not asserted here.
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, PREFETCHED], ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7, 8])
-def test_gpu_model_sizes(tokens, config):
-    """Qwen3-30B-A3B's expert shapes, bf16, the shipped config and the same
-    tiles prefetching every K step."""
+def test_gpu_model_sizes(tokens):
+    """Qwen3-30B-A3B's expert shapes, bf16, the shipped config."""
     dev = torch.device("cuda")
-    out, ref, act, ids, _ = _run(
-        tokens, 2048, 768, 128, 8, torch.bfloat16, dev, config=config
-    )
+    out, ref, act, ids, _ = _run(tokens, 2048, 768, 128, 8, torch.bfloat16, dev)
     _close(out, ref, 2e-2)
     untouched = ~_local(ids, 128, None).flatten().to(dev)
     assert bool(torch.isnan(act[untouched]).all())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config", [None, default_mma_moe_decode_config(), PREFETCHED], ids=str
-)
+@pytest.mark.parametrize("config", [None, default_mma_moe_decode_config()], ids=str)
 def test_gpu_cuda_graph_replay_with_new_routing(config):
     dev = torch.device("cuda")
     tokens, hidden, inter, experts, topk = 2, 2048, 768, 128, 8

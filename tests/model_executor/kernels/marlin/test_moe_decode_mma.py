@@ -20,7 +20,7 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
 )
-from tests.model_executor.kernels.marlin.test_gemv_mma import _WORDS, _sass
+from tests.model_executor.kernels.marlin.test_gemv_mma import _sass
 from tests.model_executor.kernels.marlin.test_moe_decode import (
     POISON,
     _close,
@@ -53,8 +53,6 @@ CONFIGS = [
     MmaMoeDecodeConfig(4, 2, 2, 2, 1, 2),
     # GEMM2's programs of 256 columns: the second one partial at hidden 384.
     MmaMoeDecodeConfig(1, 1, 1, 16, 8, 1),
-    # no ring in GEMM1; in GEMM2 more steps in flight than a route has
-    MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8, gated_depth=1, down_depth=8),
 ]
 
 
@@ -71,7 +69,7 @@ def compile_kernels() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = MmaMoeDecodeConfig(2, 2, 4, 1, 1, 8, gated_depth=3, down_depth=3)
+    cfg = default_mma_moe_decode_config()
     for dtype, w4a8, routed in itertools.product(
         ("bf16", "fp16"), (False, True), (False, True)
     ):
@@ -84,11 +82,11 @@ def compile_kernels() -> None:
         gated = common | dict(
             GATE_UP_INTERLEAVED=w4a8, MODE=1, ALPHA=1.702, LIMIT=7.0,
             ROW_TILES=cfg.gated_row_tiles, TILES_PER_WARP=cfg.gated_tiles_per_warp,
-            K_SPLIT=cfg.gated_k_split, DEPTH=cfg.gated_depth,
+            K_SPLIT=cfg.gated_k_split,
         )  # fmt: skip
         down = common | dict(
             ROW_TILES=cfg.down_row_tiles, TILES_PER_WARP=cfg.down_tiles_per_warp,
-            ROUTE_SPLIT=cfg.down_route_split, DEPTH=cfg.down_depth, RENORMALIZE=True,
+            ROUTE_SPLIT=cfg.down_route_split, RENORMALIZE=True,
             BLOCK_R=8,
         )  # fmt: skip
         # Pointers by name: routing int32, route weights fp32, scales.
@@ -108,7 +106,7 @@ def compile_kernels() -> None:
             }
             signature |= dict.fromkeys(consts, "constexpr")
             # As a launch specializes them (the weights' strides are multiples
-            # of K / 8 words, K of 128): the ring's copies are 16 bytes.
+            # of K / 8 words, K of 128): the words' loads are 16 bytes.
             aligned = {
                 (i,): [["tt.divisibility", 16]]
                 for i, name in enumerate(args)
@@ -123,8 +121,8 @@ def compile_kernels() -> None:
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
             sass = _sass(compiled.asm["cubin"])
             before, _, after = sass.partition("ACQBULK")
-            loads = [before.count("LDG"), before.count(_WORDS[cfg.down_depth > 1])]
-            loads += [after.count("LDG.E.128"), sass.count("CCTL.E.PF1")]
+            loads = [before.count("LDG"), before.count("LDG.E.128")]
+            loads.append(after.count("LDG.E.128"))
             print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))
 
 
@@ -132,18 +130,16 @@ def test_compiles_for_sm90_without_a_gpu():
     """GEMM1 (one K step of 2 row tiles a warp in its loop): 24 MMAs, and
     the PDL wait before any load (the routing is the previous kernel's).
     GEMM2 (one tile a warp, the first route peeled): 2 x 16 MMAs, and the
-    first route's words of rows g and g + 8 for its first 3 K steps (its
-    depth: copied into the shared ring) loaded before the wait (with the
-    routing, two launches back)."""
+    first route's words of rows g and g + 8 loaded before the wait (with
+    the routing, two launches back)."""
     builds = compiled_in_own_process(MODULE)
     assert len(builds) == 16
-    for name, mmas, (loads_before, words_before, words_after, prefetches) in builds:
+    for name, mmas, (loads_before, words_before, words_after) in builds:
         if name == "_gated_mma_kernel":
             assert (mmas, loads_before) == (24, 0)
         else:
-            assert (mmas, words_before) == (32, 6)
+            assert (mmas, words_before) == (32, 2)
         assert words_after > 0
-        assert prefetches > 0  # the ring's, into L1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -218,10 +214,6 @@ def test_bad_inputs_raise(device):
         call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 3))
     with pytest.raises(ValueError, match="config: gated_tiles_per_warp must divide"):
         call(config=MmaMoeDecodeConfig(1, 2, 1, 1, 1, 1))
-    with pytest.raises(ValueError, match=r"config: gated_depth must be in 1\.\.8"):
-        call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1, gated_depth=0))
-    with pytest.raises(ValueError, match=r"config: down_depth must be in 1\.\.8"):
-        call(config=MmaMoeDecodeConfig(1, 1, 1, 1, 1, 1, down_depth=9))
     wide = torch.zeros(1, hidden + 8, dtype=x.dtype, device=device)
     with pytest.raises(ValueError, match="x: expected 16-byte aligned rows"):
         call(x=wide[:, 1 : hidden + 1])
@@ -255,21 +247,6 @@ def test_default_path_takes_unaligned_rows_elsewhere(device):
         out = torch.full((tokens, hidden), POISON, dtype=dtype, device=device)
         marlin_moe_decode(x_in, *args, act_in, out)
         _close(out, ref, TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("w4a8", [False, True], ids=["marlin", "w4a8"])
-def test_rings_deeper_than_one_step(device, w4a8):
-    """Depths 2 and 3 where the ring turns: GEMM1 4 K steps in one warp,
-    GEMM2 5 (inter 640) per route."""
-    _cuda(device)
-    config = MmaMoeDecodeConfig(1, 1, 1, 1, 1, 2, gated_depth=2, down_depth=3)
-    out, ref, act, ids, _ = _run(
-        2, 512, 640, 4, 3, torch.bfloat16, device, "swiglu" if w4a8 else "silu",
-        config=config, w4a8=w4a8,
-    )  # fmt: skip
-    _close(out, ref, TOLERANCE[torch.bfloat16])
-    untouched = ~_local(ids, 4, None).flatten().to(device)
-    assert bool(torch.isnan(act[untouched]).all())
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

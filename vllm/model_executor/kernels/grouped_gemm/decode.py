@@ -57,11 +57,6 @@ from vllm.model_executor.kernels.common.checks import (
 )
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import (
-    check_prefetch,
-    prefetch_row_step,
-    prefetch_steps,
-)
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -107,7 +102,6 @@ def _decode_gated_kernel(
     ROUTED: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PREFETCH: tl.constexpr,  # K steps into L1 ahead
 ):
     pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = tl.program_id(0)
@@ -133,10 +127,6 @@ def _decode_gated_kernel(
         row_ok = rows < 2 * inter
         w_row = expert.to(tl.int64) * 2 * inter + rows
         w_rows = w_ptr + w_row[:, None] * K
-        # Rows past the expert's: its last (in bounds).
-        w_lines = w_ptr + (w_row - rows + tl.minimum(rows, 2 * inter - 1))[:, None] * K
-        for step in tl.static_range(1, PREFETCH + 1):
-            prefetch_row_step(w_lines, step * BLOCK_K, K, BLOCK_K)
         acc = tl.zeros((2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
@@ -144,8 +134,6 @@ def _decode_gated_kernel(
             mask = row_ok[:, None] & (cols < K)[None, :]
             w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
-                prefetch_row_step(w_lines, k + (PREFETCH + 1) * BLOCK_K, K, BLOCK_K)
         product = tl.sum(acc, axis=1)
         if HAS_SCALE:
             scale_ptrs = w_scale_ptr + expert.to(tl.int64) * 2 * inter + rows
@@ -189,7 +177,6 @@ def _decode_down_kernel(
     ROUTED: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PREFETCH: tl.constexpr,  # K steps into L1 past the next
 ):
     # All of the token's routes at once: each K step loads BLOCK_R weight
     # tiles together (one round trip, not one per route).
@@ -231,13 +218,6 @@ def _decode_down_kernel(
         mask=tile_ok & (cols < inter)[None, None, :],
         other=0.0,
     )
-    # Columns past H: the last (in bounds); routes without a local expert
-    # prefetch nothing (their loads are masked off).
-    w_lines = w_ptr + (w_row - rows[None, :] + tl.minimum(rows, hidden - 1)) * inter
-    w_lines = w_lines[:, :, None]
-    routed = valid[:, None, None]
-    for step in tl.static_range(1, PREFETCH + 1):
-        prefetch_row_step(w_lines, step * BLOCK_K, inter, BLOCK_K, routed)
     pdl_wait(PDL)  # act is the previous kernel's
     for k in range(0, inter, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
@@ -252,10 +232,6 @@ def _decode_down_kernel(
             mask=tile_ok & (cols + BLOCK_K < inter)[None, None, :],
             other=0.0,
         )
-        if PREFETCH > 0:  # last: ptxas keeps the step's loads above it
-            prefetch_row_step(
-                w_lines, k + (PREFETCH + 1) * BLOCK_K, inter, BLOCK_K, routed
-            )
     if HAS_SCALE:
         scale_ptrs = (
             w_scale_ptr
@@ -273,17 +249,13 @@ def _decode_down_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs), and
-    each kernel's K steps prefetched into L1 ahead of its loads
-    (:mod:`~.common.prefetch`; where inline PTX runs)."""
+    """Tiles of the two kernels (GEMM1's block_n counts gate/up pairs)."""
 
     gated_block_n: int
     gated_block_k: int
     down_block_n: int
     down_block_k: int
     num_warps: int = 4
-    gated_prefetch: int = 0
-    down_prefetch: int = 0
 
 
 def default_decode_config(tokens: int, weight_dtype: torch.dtype) -> DecodeConfig:
@@ -434,22 +406,12 @@ def _launch(
     ids, weights, logits = routing.ids, routing.weights, routing.logits
     tokens, hidden = x.shape
     config = config or default_decode_config(tokens, w13.dtype)
-    for name in ("gated_prefetch", "down_prefetch"):
-        check_prefetch(config, name)
     inter, num_ids = w13.shape[1] // 2, _num_ids(w13, expert_map)
     if tokens == 0:
         return out
     map_arg = expert_map if expert_map is not None else ids
     block_r, block_e = triton.next_power_of_2(topk), triton.next_power_of_2(num_ids)
     launch_pdl = pdl(x.device)
-    # Nothing to prefetch in empty weights (their clamps would leave them).
-    has_weights = hidden > 0 and inter > 0 and w13.shape[0] > 0
-    gated_prefetch = prefetch_steps(
-        config.gated_prefetch if has_weights else 0, x.device, _decode_gated_kernel
-    )
-    down_prefetch = prefetch_steps(
-        config.down_prefetch if has_weights else 0, x.device, _decode_down_kernel
-    )
     _decode_gated_kernel[(tokens * topk, triton.cdiv(inter, config.gated_block_n))](
         x, ids, map_arg, w13, w13_scale if w13_scale is not None else w13,
         act, hidden, inter, topk, num_ids, w13.shape[0], x.stride(0),
@@ -459,8 +421,7 @@ def _launch(
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT,
         BLOCK_N=config.gated_block_n, BLOCK_K=config.gated_block_k,
         PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e, BLOCK_R=block_r,
-        PREFETCH=gated_prefetch, num_warps=config.num_warps,
-        launch_pdl=launch_pdl,
+        num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _decode_down_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, ids, map_arg, weights, w2,
@@ -471,8 +432,7 @@ def _launch(
         HAS_SCALE=w2_scale is not None, BLOCK_R=block_r,
         BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, PDL=launch_pdl,
         ROUTED=routing.routed, RENORMALIZE=routing.renormalize, BLOCK_E=block_e,
-        PREFETCH=down_prefetch, num_warps=config.num_warps,
-        launch_pdl=launch_pdl,
+        num_warps=config.num_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out
 

@@ -137,8 +137,7 @@ MAX_DOWN_ROWS = 128
 class MarlinDecodeConfig:
     """GEMM1's gate/up pairs, K step and warps per program; GEMM2's output
     columns (each with ``topk`` weight rows), K step and warps; a K step of
-    ``32 x num_warps`` words (``block_k / 8``) at least; each GEMM's K steps
-    prefetched into L1 past the next (``dot_rows``' ``PREFETCH``)."""
+    ``32 x num_warps`` words (``block_k / 8``) at least."""
 
     gated_block_n: int
     gated_block_k: int
@@ -146,8 +145,6 @@ class MarlinDecodeConfig:
     down_block_n: int
     down_block_k: int
     down_warps: int
-    gated_prefetch: int = 0
-    down_prefetch: int = 0
 
 
 def default_marlin_decode_config() -> MarlinDecodeConfig:

@@ -32,12 +32,6 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import (
-    check_prefetch,
-    prefetch_l1,
-    prefetch_row_step,
-    prefetch_steps,
-)
 from vllm.model_executor.kernels.marlin.config import TILE_K
 
 # Up to this many rows of A the kernel takes a GemvConfig (its accumulators);
@@ -57,13 +51,12 @@ def gemv_applies(m: int) -> bool:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Weight rows per program, K columns per step (a multiple of ``TILE_K``),
-    warps, and K steps prefetched into L1 past the next (:func:`dot_rows`)."""
+    """Weight rows per program, K columns per step (a multiple of ``TILE_K``)
+    and warps."""
 
     block_n: int
     block_k: int
     num_warps: int
-    prefetch: int = 0
 
 
 def default_gemv_config(m: int, k: int) -> GemvConfig:
@@ -163,20 +156,6 @@ def _load_words(w_ptrs, offs_w, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
-def _prefetch_step(
-    w_rows, s_lines, k, K, s_group_stride, GROUP_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Prefetch into L1 the words of K step ``k`` (past the last: the
-    last's) of rows ``w_rows`` ([BLOCK_N, 1]) and, where the steps are whole
-    groups, their scales (``s_lines``: each row's of step 0's groups)."""
-    prefetch_row_step(w_rows, k // 8, K // 8, BLOCK_K // 8)
-    if GROUP_SIZE > 0 and BLOCK_K % GROUP_SIZE == 0:
-        k = tl.minimum(k, K - BLOCK_K)
-        prefetch_l1(s_lines + (k // GROUP_SIZE) * s_group_stride)
-
-
-@triton.jit
 def dot_rows(
     w_rows,  # [BLOCK_N] pointers to each weight row's first packed word
     s_rows,  # [BLOCK_N] pointers to each row's scale of group 0 (or channel)
@@ -194,7 +173,6 @@ def dot_rows(
     PDL: tl.constexpr,
     X_PER_ROW: tl.constexpr = False,  # x_ptr per weight row (BLOCK_M 1)
     NIBBLES_IN_ORDER: tl.constexpr = False,  # nibble i: column i (W4A8's packing)
-    PREFETCH: tl.constexpr = 0,  # K steps into L1 past the next (EVEN_K)
 ):
     """fp32 [BLOCK_N] products of the dequantized weight rows with each of
     the (up to 4) rows of A, or with each weight row's own row of A
@@ -213,12 +191,6 @@ def dot_rows(
 
     With ``PDL`` it waits for the previous kernel (:func:`~.pdl.pdl_wait`)
     after loading its first weights, before it reads A.
-
-    The next step's words are loaded into registers a step ahead, but ptxas,
-    keeping its register target, issues those loads at the end of the step
-    (docs/marlin.md, v4.2): a step waits for its words. ``PREFETCH`` steps
-    past the next are prefetched into L1 (no registers held; scales too
-    where a step is whole groups), so that those loads find their lines there.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     offs_w = tl.arange(0, WORDS)
@@ -243,15 +215,6 @@ def dot_rows(
     acc2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     packed = _load_words(w_ptrs, offs_w, 0, K, BLOCK_K, EVEN_K)
-    PREFETCHES: tl.constexpr = PREFETCH if EVEN_K else 0
-    if PREFETCHES > 0:
-        groups = tl.arange(0, BLOCK_K // GROUP_SIZE if GROUP_SIZE > 0 else 1)
-        s_lines = s_rows[:, None] + groups[None, :] * s_group_stride
-        for step in tl.static_range(1, PREFETCHES + 1):
-            _prefetch_step(
-                w_rows[:, None], s_lines, step * BLOCK_K, K, s_group_stride,
-                GROUP_SIZE, BLOCK_K,
-            )  # fmt: skip
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         packed_next = _load_words(w_ptrs, offs_w, k + BLOCK_K, K, BLOCK_K, EVEN_K)
@@ -296,13 +259,6 @@ def dot_rows(
             acc3 += scale * _row_terms(
                 x3_ptrs + k, K - k, EVEN_K, X_PER_ROW, w0, w1, w2, w3, w4, w5, w6, w7
             )
-        if PREFETCHES > 0:
-            # Last in the step: ptxas keeps loads above a prefetch (the words'
-            # above would then hold their registers through the step).
-            _prefetch_step(
-                w_rows[:, None], s_lines, k + (PREFETCHES + 1) * BLOCK_K, K,
-                s_group_stride, GROUP_SIZE, BLOCK_K,
-            )  # fmt: skip
         packed = packed_next
     if GROUP_SIZE < 0:
         channel = tl.load(s_rows).to(tl.float32)
@@ -336,7 +292,6 @@ def _marlin_gemv_kernel(
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -344,7 +299,7 @@ def _marlin_gemv_kernel(
     out0, out1, out2, out3 = dot_rows(
         b_ptr + rows.to(tl.int64) * stride_bn, s_ptr + rows * stride_sn,
         a_ptr, stride_am, M, K, N, GROUP_SIZE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-        ASM, PDL, PREFETCH=PREFETCH,
+        ASM, PDL,
     )  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     c_ptrs = c_ptr + offs_n
@@ -371,7 +326,6 @@ def launch_gemv(
     if m > GEMV_MAX_M:
         raise ValueError(f"a: at most {GEMV_MAX_M} rows for a GemvConfig, got {m}")
     check_tile(cfg.block_n, cfg.block_k, cfg.num_warps, cfg)
-    check_prefetch(cfg, "prefetch")
     launch_pdl = pdl(a.device)
     _marlin_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a,
@@ -392,7 +346,6 @@ def launch_gemv(
         EVEN_K=k % cfg.block_k == 0,
         ASM=inline_ptx(a.device, _marlin_gemv_kernel),
         PDL=launch_pdl,
-        PREFETCH=prefetch_steps(cfg.prefetch, a.device, _marlin_gemv_kernel),
         num_warps=cfg.num_warps,
         launch_pdl=launch_pdl,
     )

@@ -5,7 +5,7 @@ rows of A for the time of one, 16 with a second MMA per weight fragment.
 :mod:`.gemv` multiplies on the CUDA cores and is issue-bound (4.2
 instructions a weight, docs/marlin.md); here ``mma.sync`` multiplies
 weights unpacked in registers, with the K loop of :mod:`.mma_rows` (how
-each lane holds its fragment, the unpacking, the ring of steps in flight).
+each lane holds its fragment, the unpacking, the step loaded ahead).
 
 A program owns ``16 * ROW_TILES`` weight rows; its ``ROW_TILES x
 K_SPLIT`` warps each take 16 of them over every ``K_SPLIT``-th step and sum
@@ -25,10 +25,8 @@ from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.mma_rows import (
     append,
-    check_depth,
     check_warp_tiles,
     mma_rows,
-    ring_fits,
     rows_aligned,
     runs_mma,
 )
@@ -39,15 +37,12 @@ MMA_GEMV_MAX_M = 16  # two MMAs a weight fragment (n = 8 rows of A each)
 
 @dataclass(frozen=True)
 class MmaGemvConfig:
-    """16-row weight tiles per program, of them per warp, warps over each
-    tile's K steps, and K steps of weights each warp keeps in flight (1:
-    the next step's, in registers; deeper: a ring in shared memory,
-    :mod:`.mma_rows`)."""
+    """16-row weight tiles per program, of them per warp, and warps over
+    each tile's K steps."""
 
     row_tiles: int
     tiles_per_warp: int
     k_split: int
-    depth: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -60,7 +55,7 @@ def mma_gemv_applies(m: int, n: int, k: int) -> bool:
     twenty-fourth and -fifth sessions): at 3-8 rows it beats the tensor-core
     GEMM 1.4-2.8x and the CUDA-core GEMV; at 1-2 rows it wins on large
     weights (8192 x 8192: 13.1 against 16.3 us at one row) and loses on
-    small ones (2048 x 4096: 4.8 against 3.9); at 16 rows (depth 1) it wins
+    small ones (2048 x 4096: 4.8 against 3.9); at 16 rows it wins
     on small ones (2048 x 4096: 7.9 against 16.4 us) and loses from 5120 x
     2048 up (10.1 against 9.1; 8192 x 8192: 32.0 against 22.6)."""
     if m <= 2:
@@ -106,7 +101,6 @@ def _mma_gemv_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
-    DEPTH: gl.constexpr,
     A_BLOCKS: gl.constexpr,  # of 8 rows: 1 up to 8 rows of A, else 2
     FP16: gl.constexpr,
     PDL: gl.constexpr,
@@ -136,7 +130,7 @@ def _mma_gemv_kernel(
         b_ptr + row_lo.to(gl.int64) * stride_bn + t[:, None, :] * 4,
         b_ptr + row_hi.to(gl.int64) * stride_bn + t[:, None, :] * 4,
         s_ptr + row_lo, s_ptr + row_hi, x_rows, ks + gl.zeros_like(lane),
-        K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL, DEPTH=DEPTH,
+        K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, PDL,
     )  # fmt: skip
 
     out_layout: gl.constexpr = gl.SliceLayout(0, layout)
@@ -182,7 +176,6 @@ def launch_mma_gemv(
             f"a: at most {MMA_GEMV_MAX_M} rows for an MmaGemvConfig, got {m}"
         )
     check_warp_tiles(cfg, ("row_tiles", "tiles_per_warp", "k_split"))
-    check_depth(cfg, "depth")
     # Every thread reads 16-byte runs of A's rows and of the weights.
     for name, t in (("a", a), ("b_packed", b_packed)):
         if not rows_aligned(t):
@@ -198,27 +191,25 @@ def launch_mma_gemv(
         )
     launch_pdl = pdl(a.device)
     grid = (-(-n // (16 * cfg.row_tiles)),)
-    with ring_fits(cfg, "depth", cfg.row_tiles * cfg.k_split):
-        _mma_gemv_kernel[grid](
-            a,
-            b_packed,
-            scales,
-            out,
-            m,
-            n,
-            k,
-            a.stride(0),
-            b_packed.stride(0),
-            scales.stride(0),
-            out.stride(0),
-            GROUP_SIZE=group_size,
-            ROW_TILES=cfg.row_tiles,
-            TILES_PER_WARP=cfg.tiles_per_warp,
-            K_SPLIT=cfg.k_split,
-            DEPTH=cfg.depth,
-            A_BLOCKS=1 if m <= 8 else 2,
-            FP16=a.dtype == torch.float16,
-            PDL=launch_pdl,
-            num_warps=cfg.num_warps,
-            launch_pdl=launch_pdl,
-        )
+    _mma_gemv_kernel[grid](
+        a,
+        b_packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b_packed.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        ROW_TILES=cfg.row_tiles,
+        TILES_PER_WARP=cfg.tiles_per_warp,
+        K_SPLIT=cfg.k_split,
+        A_BLOCKS=1 if m <= 8 else 2,
+        FP16=a.dtype == torch.float16,
+        PDL=launch_pdl,
+        num_warps=cfg.num_warps,
+        launch_pdl=launch_pdl,
+    )

@@ -31,45 +31,26 @@ threads or through shared memory:
   the step's MMAs sum into a fresh accumulator that is then scaled into the
   total (the weights stay exact; the products sum in fp32).
 
-Each warp keeps ``depth`` steps' words in flight; the first ``depth``
-steps' words load before the PDL wait (plain loads: ptxas hoists the wait
-above non-coherent ones). Steps past K repeat the last one and are scaled
-by zero.
-
-- Depth 1 holds the next step's words and activations in registers. ptxas,
-  keeping under its register target (56 on sm_90 for one tile and 8
-  warps), sinks both loads from the step's top to its end, where the next
-  step waits for them at once: a step waits about one HBM latency for its
-  words, and another for its scales (loaded after its MMAs, used at once).
-- Deeper, the words go through a ring of ``depth + 1`` slots in shared
-  memory filled by ``cp.async`` (16 bytes a lane): copies in flight hold no
-  registers (60-64 at depths 2-8 with group scales; a ring in registers
-  took 12 a step, 68 at depth 2, and an SM then held 3 programs instead of
-  4), and ptxas leaves them where they are issued. The activations and
-  scales of the step ``depth`` ahead are prefetched into L1 with the copy
-  (no register either; a value loaded a step ahead into registers, ptxas
-  copies into place at the step's end and waits for it there); a step
-  loads its activations at its top and its scales amid its MMAs.
-  Gluon's analysis puts a CTA barrier before each copy and one after each
-  wait (each lane reads back only its own copies); a program's ring takes
-  ``(depth + 1) x 1 KB`` a warp tile (:func:`ring_fits`).
+Each warp loads the next step's words and activations while it multiplies
+this step's; the first step's words load before the PDL wait (plain loads:
+ptxas hoists the wait above non-coherent ones). Steps past K repeat the
+last one and are scaled by zero. ptxas, keeping under its register target
+(56 on sm_90 for one tile and 8 warps), sinks both loads from the step's
+top to its end, so a step waits about one HBM latency for its words and
+another for its scales (loaded after its MMAs, used at once). Rings of
+more steps in flight lost to this on the H100 and H200, in registers (68
+registers at depth 2: a wave more) and in shared memory by ``cp.async``
+(2x slower at depth 3): docs/marlin.md, v4.1-v4.3.
 """
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from vllm import envs
 from vllm.model_executor.kernels.common.device_info import capability
 from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait
 from vllm.model_executor.kernels.marlin.config import PACK, TILE_K
-
-MAX_DEPTH = 8  # K steps of weights in flight per warp
 
 
 def runs_mma(device: torch.device) -> bool:
@@ -101,30 +82,6 @@ def check_warp_tiles(config: object, names: tuple[str, str, str]) -> None:
         raise ValueError(
             f"config: {names[1]} must divide {names[0]}, in at most 16 warps: {config}"
         )
-
-
-def check_depth(config: object, name: str) -> None:
-    """An error naming ``config`` unless its field ``name`` is a depth."""
-    if not 1 <= getattr(config, name) <= MAX_DEPTH:
-        raise ValueError(f"config: {name} must be in 1..{MAX_DEPTH}: {config}")
-
-
-@contextlib.contextmanager
-def ring_fits(config: object, name: str, tiles: int) -> Iterator[None]:
-    """Around a launch: an error naming ``config`` where its ring (field
-    ``name`` past 1; ``tiles`` warp tiles a program) takes more shared
-    memory than the device gives a program (Triton's error at the launch)."""
-    try:
-        yield
-    except triton.OutOfResources as e:
-        depth = getattr(config, name)
-        if e.name != "shared memory" or depth == 1:
-            raise
-        raise ValueError(
-            f"config: {name} {depth} over {tiles} warp tiles is a ring of "
-            f"{(depth + 1) * tiles} KB of shared memory a program, more than "
-            f"the device's {e.limit // 1024} KB: {config}"
-        ) from e
 
 
 # One word -> its four pairs, nibbles (i, i + 4) in pair i, as the 16-bit
@@ -169,11 +126,6 @@ _MMA_FP16 = gl.constexpr(_mma_asm("f16"))
 
 # 16 bytes per thread. Not ld.global.nc: ptxas moves a PDL wait above those.
 _LOAD_V4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
-# cp.async of a pointer tensor into a shared buffer; Triton 3.9 renamed it
-# (3.6, the GPU machine's, has only the old name).
-_async_load = getattr(async_copy, "async_load", None) or (
-    async_copy.async_copy_global_to_shared
-)
 _TILE_K = gl.constexpr(TILE_K)
 _STEP_WORDS = gl.constexpr(TILE_K // PACK)  # packed words per row and K step
 
@@ -194,111 +146,6 @@ def _step_words(w_lo, w_hi, step, steps):
     last again)."""
     step = gl.minimum(step, steps - 1)[:, None, :] * _STEP_WORDS
     return _load_words(w_lo + step), _load_words(w_hi + step)
-
-
-@gluon.jit
-def _ring_ptrs(w, layout4: gl.constexpr):
-    """[S, R, 32, 4] pointers to the lane's 4 words (``w``: the first)."""
-    words: gl.constexpr = gl.SliceLayout(
-        0, gl.SliceLayout(1, gl.SliceLayout(2, layout4))
-    )
-    word = gl.arange(0, 4, layout=words)
-    w = gl.convert_layout(w, gl.SliceLayout(3, layout4), assert_trivial=True)
-    return w[:, :, :, None] + word[None, None, None, :]
-
-
-@gluon.jit
-def _ring(w_lo, w_hi, first, steps, STEP_STRIDE: gl.constexpr, DEPTH: gl.constexpr):
-    """The shared ring of ``DEPTH + 1`` slots of words, the first ``DEPTH``
-    steps' copies issued: (slots of rows g, of rows g + 8, their [S, R, 32,
-    4] sources: ``w_lo``'s layout with a lane's 4 words minor)."""
-    p: gl.constexpr = w_lo.type.layout
-    layout4: gl.constexpr = gl.BlockedLayout(
-        [p.size_per_thread[0], p.size_per_thread[1], p.size_per_thread[2], 4],
-        [p.threads_per_warp[0], p.threads_per_warp[1], p.threads_per_warp[2], 1],
-        [p.warps_per_cta[0], p.warps_per_cta[1], p.warps_per_cta[2], 1],
-        [3, 2, 1, 0],
-    )
-    shape: gl.constexpr = [DEPTH + 1, first.shape[0], w_lo.shape[1], 32, 4]
-    slots: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-    ring = (
-        gl.allocate_shared_memory(gl.int32, shape, slots),
-        gl.allocate_shared_memory(gl.int32, shape, slots),
-        _ring_ptrs(w_lo, layout4),
-        _ring_ptrs(w_hi, layout4),
-    )
-    for d in gl.static_range(DEPTH):
-        _ring_fill(ring, first + d * STEP_STRIDE, steps, d)
-    return ring
-
-
-@gluon.jit
-def _ring_fill(ring, step, steps, slot):
-    """Copy the words of rows g and g + 8 at K step ``step`` ([S, 32]; past
-    the last: the last again) into slot ``slot``, as one group."""
-    slots_lo, slots_hi, w_lo4, w_hi4 = ring
-    step = gl.convert_layout(
-        gl.minimum(step, steps - 1)[:, None, :],
-        gl.SliceLayout(3, w_lo4.type.layout),
-        assert_trivial=True,
-    )[:, :, :, None]
-    _async_load(slots_lo.index(slot), w_lo4 + step * _STEP_WORDS)
-    _async_load(slots_hi.index(slot), w_hi4 + step * _STEP_WORDS)
-    async_copy.commit_group()
-
-
-# Into L1 ahead of the step that reads it, no register held (Gluon's
-# twin of common/prefetch.prefetch_l1).
-_PREFETCH_L1 = gl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
-
-
-@gluon.jit
-def _prefetch(ptrs):
-    gl.inline_asm_elementwise(
-        _PREFETCH_L1, "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _prefetch_step(x_rows, scales, step, steps, GROUP_SIZE: gl.constexpr):
-    """Prefetch into L1 the activations and group scales (``scales``: rows
-    g's, rows g + 8's, the group stride) of K step ``step`` ([S, 32]; past
-    the last: the last's)."""
-    step = gl.minimum(step, steps - 1)
-    for b in gl.static_range(len(x_rows)):
-        _prefetch(x_rows[b] + step * (_TILE_K // 2))
-    if GROUP_SIZE > 0:
-        s_lo, s_hi, stride_sg = scales
-        group = step[:, None, :] * _TILE_K // GROUP_SIZE
-        _prefetch(s_lo + group * stride_sg)
-        _prefetch(s_hi + group * stride_sg)
-
-
-@gluon.jit
-def _slot_words(slots, slot, layout4: gl.constexpr, layout: gl.constexpr):
-    """The four words a lane copied into ``slots[slot]``, each in
-    ``layout`` (one 16-byte shared load; the splits move nothing)."""
-    w = slots.index(slot).load(layout4)
-    evens, odds = gl.split(gl.reshape(w, [w.shape[0], w.shape[1], w.shape[2], 2, 2]))
-    w0, w2 = gl.split(evens)
-    w1, w3 = gl.split(odds)
-    return (
-        gl.convert_layout(w0, layout, assert_trivial=True),
-        gl.convert_layout(w1, layout, assert_trivial=True),
-        gl.convert_layout(w2, layout, assert_trivial=True),
-        gl.convert_layout(w3, layout, assert_trivial=True),
-    )
-
-
-@gluon.jit
-def _ring_words(ring, slot, layout: gl.constexpr):
-    """The words of rows g and g + 8 in slot ``slot``."""
-    slots_lo, slots_hi, w_lo4, _ = ring
-    layout4: gl.constexpr = w_lo4.type.layout
-    return (
-        _slot_words(slots_lo, slot, layout4, layout),
-        _slot_words(slots_hi, slot, layout4, layout),
-    )
 
 
 @gluon.jit
@@ -486,25 +333,15 @@ def mma_rows(
     FP16: gl.constexpr,
     PDL: gl.constexpr,  # wait for the previous kernel after the first words
     NIBBLES_IN_ORDER: gl.constexpr = False,  # W4A8's packing (see _load_x)
-    DEPTH: gl.constexpr = 1,  # K steps of words in flight (MAX_DEPTH)
 ):
     """The K loop: per block of A rows, fp32 [S, R, 32] x 4, each warp
     slice's scaled sums of its steps; lane (g, t) holds rows g (0, 1) and
     g + 8 (2, 3) of the block's A rows 2t and 2t + 1. A slice's steps past
     the last repeat the last one and are scaled by zero."""
     layout: gl.constexpr = w_lo.type.layout
-    # The first DEPTH steps' words load before the PDL wait.
-    if DEPTH == 1:
-        words = _step_words(w_lo, w_hi, first, steps)
-    else:
-        ring = _ring(w_lo, w_hi, first, steps, STEP_STRIDE, DEPTH)
+    words = _step_words(w_lo, w_hi, first, steps)
     gluon_pdl_wait(PDL)
-    if DEPTH > 1:  # the activations only now: the previous kernel's
-        for d in gl.static_range(DEPTH):
-            step = first + d * STEP_STRIDE
-            _prefetch_step(x_rows, (s_lo, s_hi, stride_sg), step, steps, GROUP_SIZE)
-    if DEPTH == 1:  # activations a step ahead
-        xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
+    xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
     zero = gl.zeros([first.shape[0], w_lo.shape[1], 32], gl.float32, layout)
     accs = ()
     for _ in gl.static_range(len(x_rows)):
@@ -512,33 +349,15 @@ def mma_rows(
     for i in range(0, gl.cdiv(steps, STEP_STRIDE)):
         here = first + i * STEP_STRIDE
         ahead = here + STEP_STRIDE
-        if DEPTH == 1:
-            lo, hi = words
-            words = _step_words(w_lo, w_hi, ahead, steps)
-            xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
-        else:
-            # Into the slot read a step ago (each lane reads back only its
-            # own copies; Gluon's analysis still puts a CTA barrier before
-            # the copy and one after the wait).
-            there = here + DEPTH * STEP_STRIDE
-            _ring_fill(ring, there, steps, (i + DEPTH) % (DEPTH + 1))
-            _prefetch_step(x_rows, (s_lo, s_hi, stride_sg), there, steps, GROUP_SIZE)
-            async_copy.wait_group(DEPTH)
-            lo, hi = _ring_words(ring, i % (DEPTH + 1), layout)
-            # This step's activations (prefetched): loaded a step ahead into
-            # registers, ptxas would copy them into place at the step's end,
-            # waiting there for the load.
-            xs = _load_xs(x_rows, gl.minimum(here, steps - 1), NIBBLES_IN_ORDER)
+        lo, hi = words
+        words = _step_words(w_lo, w_hi, ahead, steps)
+        xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
         cs = _step(lo, hi, xs, FP16)
         scale_lo, scale_hi = _step_scales(
             s_lo, s_hi, here, steps, stride_sg, GROUP_SIZE
         )
         accs = _sum(accs, _scaled(cs, scale_lo, scale_hi))
-        if DEPTH == 1:
-            xs = xs_next
-    if DEPTH > 1:
-        # The last steps' copies (repeats) land before the memory is reused.
-        async_copy.wait_group(0)
+        xs = xs_next
     unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
     if GROUP_SIZE < 0:
         scale_lo = gl.load(s_lo).to(gl.float32) * unit_inv

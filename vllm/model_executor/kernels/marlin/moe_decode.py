@@ -50,7 +50,6 @@ from vllm.model_executor.kernels.common.activation_quant import (
 from vllm.model_executor.kernels.common.checks import arg_error, check_index, check_rows
 from vllm.model_executor.kernels.common.device_info import inline_ptx
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
-from vllm.model_executor.kernels.common.prefetch import check_prefetch, prefetch_steps
 from vllm.model_executor.kernels.common.topk_softmax import (
     DecodeRouting,
     check_router_logits,
@@ -112,7 +111,6 @@ def _gated_kernel(
     ROUTED: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = tl.program_id(0)
@@ -144,7 +142,7 @@ def _gated_kernel(
             s_ptr + expert_64 * stride_se + rows * stride_sn,
             x_ptr + token * stride_x, 0, 1, K, stride_sg,
             GROUP_SIZE, 1, 2 * BLOCK_N, BLOCK_K, EVEN_K, ASM, False,
-            NIBBLES_IN_ORDER=NIBBLES_IN_ORDER, PREFETCH=PREFETCH,
+            NIBBLES_IN_ORDER=NIBBLES_IN_ORDER,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(product, (2, BLOCK_N)).T)
         act = gated_act(gate, up, MODE, ALPHA, LIMIT)
@@ -193,7 +191,6 @@ def _down_sum_kernel(
     ROUTED: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # Weight row r of the program: the token's route r // BLOCK_N, output
     # column r % BLOCK_N. The routing is two launches back (readable before
@@ -235,7 +232,7 @@ def _down_sum_kernel(
         s_ptr + expert_64 * stride_se + w_rows * stride_sn,
         act_ptr + route * stride_act, 0, 1, inter, stride_sg,
         GROUP_SIZE, 1, TOPK * BLOCK_N, BLOCK_K, EVEN_K, ASM, PDL, X_PER_ROW=True,
-        NIBBLES_IN_ORDER=NIBBLES_IN_ORDER, PREFETCH=PREFETCH,
+        NIBBLES_IN_ORDER=NIBBLES_IN_ORDER,
     )  # fmt: skip
     if ROUTED:
         weight = route_weights
@@ -361,8 +358,6 @@ def _check_config(config: MarlinDecodeConfig, topk: int) -> None:
             f"config: down_block_n x topk (rounded up to a power of two) must be "
             f"at most {MAX_DOWN_ROWS} weight rows, got {down_rows}: {config}"
         )
-    for name in ("gated_prefetch", "down_prefetch"):
-        check_prefetch(config, name)
 
 
 def marlin_moe_decode(
@@ -484,9 +479,7 @@ def _launch(
         BLOCK_N=config.gated_block_n,
         BLOCK_K=config.gated_block_k, EVEN_K=hidden % config.gated_block_k == 0,
         ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, BLOCK_E=block_e,
-        BLOCK_R=block_r,
-        PREFETCH=prefetch_steps(config.gated_prefetch, x.device, _gated_kernel),
-        num_warps=config.gated_warps, launch_pdl=launch_pdl,
+        BLOCK_R=block_r, num_warps=config.gated_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     _down_sum_kernel[(tokens, triton.cdiv(hidden, config.down_block_n))](
         act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden,
@@ -498,8 +491,6 @@ def _launch(
         TOPK=block_r, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, EVEN_K=inter % config.down_block_k == 0,
         ASM=asm, PDL=launch_pdl, ROUTED=routing.routed, RENORMALIZE=routing.renormalize,
-        BLOCK_E=block_e,
-        PREFETCH=prefetch_steps(config.down_prefetch, x.device, _down_sum_kernel),
-        num_warps=config.down_warps, launch_pdl=launch_pdl,
+        BLOCK_E=block_e, num_warps=config.down_warps, launch_pdl=launch_pdl,
     )  # fmt: skip
     return out

@@ -56,10 +56,8 @@ from vllm.model_executor.kernels.common.topk_softmax import (
 )
 from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.mma_rows import (
-    check_depth,
     check_warp_tiles,
     mma_rows,
-    ring_fits,
     rows_aligned,
     runs_mma,
 )
@@ -71,8 +69,7 @@ _TILE_K = gl.constexpr(TILE_K)
 class MmaMoeDecodeConfig:
     """GEMM1's 16-row tiles (8 gate/up column pairs each) per program, of
     them per warp, and warps over K; GEMM2's 16-column tiles per program,
-    of them per warp, and warps over the token's routes; each GEMM's K
-    steps of weights in flight per warp (as ``MmaGemvConfig.depth``)."""
+    of them per warp, and warps over the token's routes."""
 
     gated_row_tiles: int
     gated_tiles_per_warp: int
@@ -80,8 +77,6 @@ class MmaMoeDecodeConfig:
     down_row_tiles: int
     down_tiles_per_warp: int
     down_route_split: int
-    gated_depth: int = 1
-    down_depth: int = 1
 
 
 def default_mma_moe_decode_config(tokens: int = 2) -> MmaMoeDecodeConfig:
@@ -195,7 +190,6 @@ def _gated_mma_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
-    DEPTH: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
     ROUTED: gl.constexpr,
@@ -246,7 +240,7 @@ def _gated_mma_kernel(
             s_expert + gate_row * stride_sn, s_expert + up_row * stride_sn,
             (x_row + t * 16 + gl.zeros_like(ks),), ks + gl.zeros_like(lane),
             K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE, FP16, False,
-            NIBBLES_IN_ORDER, DEPTH,
+            NIBBLES_IN_ORDER,
         )[0]  # fmt: skip
         gate = gl.reduce(gate, 0, add)
         up = gl.reduce(up, 0, add)
@@ -285,7 +279,6 @@ def _route_sums(
     GROUP_SIZE: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
-    DEPTH: gl.constexpr,
 ):
     """One turn of GEMM2: each slice's weighted sums of rows g and g + 8
     ([S, R, 32] x 2) for its route of the turn."""
@@ -298,7 +291,7 @@ def _route_sums(
         w_rows_lo + expert_64 * stride_we, w_rows_hi + expert_64 * stride_we,
         s_rows_lo + expert_64 * stride_se, s_rows_hi + expert_64 * stride_se,
         (act_row + t * 16,), gl.zeros_like(slot + t), inter // _TILE_K, stride_sg, 1,
-        GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER, DEPTH,
+        GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER,
     )[0]  # fmt: skip
     # A select, not a product: act rows of routes without an expert are
     # never written (they may hold anything, NaN included).
@@ -371,7 +364,6 @@ def _down_sum_mma_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     ROUTE_SPLIT: gl.constexpr,
-    DEPTH: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
     ROUTED: gl.constexpr,
@@ -415,7 +407,7 @@ def _down_sum_mma_kernel(
     total_lo, total_hi = _route_sums(
         act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t, token,
         inter, topk, stride_act, stride_we, stride_se, stride_sg, NIBBLES_IN_ORDER,
-        GROUP_SIZE, FP16, PDL, DEPTH,
+        GROUP_SIZE, FP16, PDL,
     )  # fmt: skip
     for turn in range(1, gl.cdiv(topk, ROUTE_SPLIT)):
         expert, weight, slot, in_range = _turn_routes(
@@ -426,7 +418,7 @@ def _down_sum_mma_kernel(
         lo, hi = _route_sums(
             act_ptr, expert, weight, slot, in_range, w_lo, w_hi, s_lo, s_hi, t,
             token, inter, topk, stride_act, stride_we, stride_se, stride_sg,
-            NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False, DEPTH,
+            NIBBLES_IN_ORDER, GROUP_SIZE, FP16, False,
         )  # fmt: skip
         total_lo += lo
         total_hi += hi
@@ -474,8 +466,6 @@ def launch_mma_moe_decode(
         ("down_row_tiles", "down_tiles_per_warp", "down_route_split"),
     ):
         check_warp_tiles(config, names)
-    for name in ("gated_depth", "down_depth"):
-        check_depth(config, name)
     for name, t in mma_operands(x, act, w13, w2):
         if not rows_aligned(t):
             raise arg_error(
@@ -502,39 +492,33 @@ def launch_mma_moe_decode(
     block_e = triton.next_power_of_2(num_ids) if routed else 1
     block_r = triton.next_power_of_2(topk) if routed else 1
     grid1 = (tokens * topk, triton.cdiv(inter, 8 * config.gated_row_tiles))
-    tiles = config.gated_row_tiles * config.gated_k_split
-    with ring_fits(config, "gated_depth", tiles):
-        _gated_mma_kernel[grid1](
-            x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
-            experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
-            w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
-            w13_scales.stride(group_dim), logits, logits.stride(0),
-            HAS_MAP=expert_map is not None, GATE_UP_INTERLEAVED=w4a8,
-            NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
-            LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
-            TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
-            DEPTH=config.gated_depth,
-            FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
-            num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
-            * config.gated_k_split,
-            launch_pdl=launch_pdl,
-        )  # fmt: skip
+    _gated_mma_kernel[grid1](
+        x, ids, map_arg, w13, w13_scales, act, hidden, inter, topk, num_ids,
+        experts, x.stride(0), ids.stride(0), act.stride(0), w13.stride(0),
+        w13.stride(1), w13_scales.stride(0), w13_scales.stride(row_dim),
+        w13_scales.stride(group_dim), logits, logits.stride(0),
+        HAS_MAP=expert_map is not None, GATE_UP_INTERLEAVED=w4a8,
+        NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation], ALPHA=SWIGLU_ALPHA,
+        LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size, ROW_TILES=config.gated_row_tiles,
+        TILES_PER_WARP=config.gated_tiles_per_warp, K_SPLIT=config.gated_k_split,
+        FP16=fp16, PDL=launch_pdl, ROUTED=routed, BLOCK_E=block_e,
+        num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
+        * config.gated_k_split,
+        launch_pdl=launch_pdl,
+    )  # fmt: skip
     grid2 = (tokens, triton.cdiv(hidden, 16 * config.down_row_tiles))
-    tiles = config.down_row_tiles * config.down_route_split
-    with ring_fits(config, "down_depth", tiles):
-        _down_sum_mma_kernel[grid2](
-            act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden, topk,
-            num_ids, experts, act.stride(0), ids.stride(0), weights.stride(0),
-            out.stride(0), w2.stride(0), w2.stride(1), w2_scales.stride(0),
-            w2_scales.stride(row_dim), w2_scales.stride(group_dim), logits,
-            logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
-            GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
-            TILES_PER_WARP=config.down_tiles_per_warp,
-            ROUTE_SPLIT=config.down_route_split, DEPTH=config.down_depth, FP16=fp16,
-            PDL=launch_pdl,
-            ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
-            BLOCK_R=block_r,
-            num_warps=config.down_row_tiles // config.down_tiles_per_warp
-            * config.down_route_split,
-            launch_pdl=launch_pdl,
-        )  # fmt: skip
+    _down_sum_mma_kernel[grid2](
+        act, ids, map_arg, weights, w2, w2_scales, out, inter, hidden, topk,
+        num_ids, experts, act.stride(0), ids.stride(0), weights.stride(0),
+        out.stride(0), w2.stride(0), w2.stride(1), w2_scales.stride(0),
+        w2_scales.stride(row_dim), w2_scales.stride(group_dim), logits,
+        logits.stride(0), HAS_MAP=expert_map is not None, NIBBLES_IN_ORDER=w4a8,
+        GROUP_SIZE=group_size, ROW_TILES=config.down_row_tiles,
+        TILES_PER_WARP=config.down_tiles_per_warp,
+        ROUTE_SPLIT=config.down_route_split, FP16=fp16, PDL=launch_pdl,
+        ROUTED=routed, RENORMALIZE=routed and routing.renormalize, BLOCK_E=block_e,
+        BLOCK_R=block_r,
+        num_warps=config.down_row_tiles // config.down_tiles_per_warp
+        * config.down_route_split,
+        launch_pdl=launch_pdl,
+    )  # fmt: skip
