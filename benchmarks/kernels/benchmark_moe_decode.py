@@ -53,7 +53,10 @@ from vllm.model_executor.kernels.marlin.config import (
     default_marlin_decode_config,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import marlin_moe_decode
-from vllm.model_executor.kernels.marlin.moe_decode_mma import MmaMoeDecodeConfig
+from vllm.model_executor.kernels.marlin.moe_decode_mma import (
+    MmaMoeDecodeConfig,
+    default_mma_moe_decode_config,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -234,7 +237,13 @@ def bench(
             if args.sweep and tokens <= type(experts).decode_max_tokens
             else {}
         )
-        return row, sweep, str(default_marlin_decode_config())
+        # What the layer runs on a GPU: the tensor-core kernels from 2 tokens.
+        shipped = (
+            default_mma_moe_decode_config(tokens)
+            if tokens >= 2
+            else default_marlin_decode_config()
+        )
+        return row, sweep, str(shipped)
     sweep = sweep_tiles(experts, hidden[0], ids) if args.sweep and tokens <= 8 else {}
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 

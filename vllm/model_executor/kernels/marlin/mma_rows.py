@@ -37,10 +37,9 @@ ptxas hoists the wait above non-coherent ones). Steps past K repeat the
 last one and are scaled by zero. ptxas, keeping under its register target
 (56 on sm_90 for one tile and 8 warps), sinks both loads from the step's
 top to its end, so a step waits about one HBM latency for its words and
-another for its scales (loaded after its MMAs, used at once). Rings of
-more steps in flight lost to this on the H100 and H200, in registers (68
-registers at depth 2: a wave more) and in shared memory by ``cp.async``
-(2x slower at depth 3): docs/marlin.md, v4.1-v4.3.
+another for its scales (loaded after its MMAs, used at once). Keeping
+more K steps in flight, in registers or in shared memory, lost
+(docs/marlin.md v4.1-v4.3).
 """
 
 import torch
