@@ -190,8 +190,7 @@ def launch_mma_gemv(
             f"capability 8.0 or later (mma.sync), not on {a.device}"
         )
     launch_pdl = pdl(a.device)
-    grid = (-(-n // (16 * cfg.row_tiles)),)
-    _mma_gemv_kernel[grid](
+    _mma_gemv_kernel[(-(-n // (16 * cfg.row_tiles)),)](
         a,
         b_packed,
         scales,

@@ -303,21 +303,6 @@ def _load_xs(x_rows, step, NIBBLES_IN_ORDER: gl.constexpr):
 
 
 @gluon.jit
-def _step_scales(s_lo, s_hi, step, steps, stride_sg, GROUP_SIZE: gl.constexpr):
-    """Rows g's and g + 8's scales at K step ``step`` ([S, 32]; 1 where the
-    scales are per channel, applied after the loop; 0 past the last step)."""
-    valid = (step < steps)[:, None, :]
-    if GROUP_SIZE > 0:
-        group = gl.minimum(step, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
-        scale_lo = gl.load(s_lo + group * stride_sg).to(gl.float32)
-        scale_hi = gl.load(s_hi + group * stride_sg).to(gl.float32)
-    else:
-        scale_lo = 1.0
-        scale_hi = 1.0
-    return gl.where(valid, scale_lo, 0.0), gl.where(valid, scale_hi, 0.0)
-
-
-@gluon.jit
 def mma_rows(
     w_lo,  # [S, R, 32] int32 pointers: rows g of R tiles, lane t's first word
     w_hi,  # the same for rows g + 8
@@ -337,11 +322,10 @@ def mma_rows(
     slice's scaled sums of its steps; lane (g, t) holds rows g (0, 1) and
     g + 8 (2, 3) of the block's A rows 2t and 2t + 1. A slice's steps past
     the last repeat the last one and are scaled by zero."""
-    layout: gl.constexpr = w_lo.type.layout
     words = _step_words(w_lo, w_hi, first, steps)
     gluon_pdl_wait(PDL)
     xs = _load_xs(x_rows, gl.minimum(first, steps - 1), NIBBLES_IN_ORDER)
-    zero = gl.zeros([first.shape[0], w_lo.shape[1], 32], gl.float32, layout)
+    zero = gl.zeros_like(words[0][0], dtype=gl.float32)
     accs = ()
     for _ in gl.static_range(len(x_rows)):
         accs = append(accs, (zero, zero, zero, zero))
@@ -352,9 +336,16 @@ def mma_rows(
         words = _step_words(w_lo, w_hi, ahead, steps)
         xs_next = _load_xs(x_rows, gl.minimum(ahead, steps - 1), NIBBLES_IN_ORDER)
         cs = _step(lo, hi, xs, FP16)
-        scale_lo, scale_hi = _step_scales(
-            s_lo, s_hi, here, steps, stride_sg, GROUP_SIZE
-        )
+        valid = (here < steps)[:, None, :]
+        if GROUP_SIZE > 0:
+            group = gl.minimum(here, steps - 1)[:, None, :] * _TILE_K // GROUP_SIZE
+            scale_lo = gl.load(s_lo + group * stride_sg).to(gl.float32)
+            scale_hi = gl.load(s_hi + group * stride_sg).to(gl.float32)
+        else:
+            scale_lo = 1.0
+            scale_hi = 1.0
+        scale_lo = gl.where(valid, scale_lo, 0.0)
+        scale_hi = gl.where(valid, scale_hi, 0.0)
         accs = _sum(accs, _scaled(cs, scale_lo, scale_hi))
         xs = xs_next
     unit_inv: gl.constexpr = _UNIT_INV_FP16 if FP16 else _UNIT_INV_BF16
