@@ -9,7 +9,9 @@ and fp8 weights, :mod:`~vllm.model_executor.kernels.marlin.moe_decode` for
 uint4 ones), on the same
 launched without programmatic dependent launch (``VLLM_DISABLE_PDL``), at
 1 token with the router's GEMM and routing as two kernels
-(``skinny_gemm`` + ``topk_softmax``), and on the sorted path; where the
+(``skinny_gemm`` + ``topk_softmax``), on the sorted path and, for uint4
+weights, on the grouped tensor-core kernels
+(:mod:`~vllm.model_executor.kernels.marlin.moe_grouped_mma`); where the
 experts route from logits, also as the model calls it (``forward_normed``:
 the residual add and RMSNorm first, in the router's GEMM at 1 token), the
 routing by ids (``normed ids``) or in the decode kernels (``normed
@@ -19,7 +21,7 @@ copy bandwidth measured in the same run), the ratios to it, and the kernel
 launches per call and the decode path's kernels with their device times
 (profiled eagerly, without PDL). With ``--sweep`` it also times the decode
 kernels alone over a grid of tiles and prints the fastest per token count
-up to 8.
+(the grouped kernels' tiles past the decode sizes).
 
     python -m benchmarks.kernels.benchmark_moe_decode --tokens 1 2 4 8 16 64
 """
@@ -57,6 +59,11 @@ from vllm.model_executor.kernels.marlin.moe_decode_mma import (
     MmaMoeDecodeConfig,
     default_mma_moe_decode_config,
 )
+from vllm.model_executor.kernels.marlin.moe_grouped_mma import (
+    GroupedMmaConfig,
+    default_grouped_mma_config,
+    marlin_moe_grouped,
+)
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
@@ -77,6 +84,10 @@ from vllm.model_executor.layers.fused_moe.layer import make_experts
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEModularKernel,
     MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
+    MoEPermuteScratch,
+    moe_prepare_scatter,
 )
 from vllm.model_executor.layers.fused_moe.routing import (
     fused_topk,
@@ -110,6 +121,7 @@ class Row:
     normed_ids_us: float | None
     normed_routed_us: float | None
     sorted_us: float
+    grouped_us: float | None  # uint4: the grouped tensor-core kernels
     decode_kernels: list[tuple[str, float]]  # eager, without PDL: name, us
     sorted_launches: int
 
@@ -171,9 +183,15 @@ def bench(
     hidden = torch.randn(ITERS, tokens, k, device=device, dtype=torch.bfloat16)
     gate = (torch.randn(e, k, device=device) / k**0.5).bfloat16()
 
-    def layer(decode: bool, with_pdl: bool = True) -> Callable[[int], None]:
+    def use(path: str) -> None:
+        """The experts' path for this batch: decode, grouped or sorted."""
+        experts.decode_max_tokens = tokens if path == "decode" else 0
+        if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
+            experts.grouped_max_tokens = tokens if path == "grouped" else 0
+
+    def layer(path: str, with_pdl: bool = True) -> Callable[[int], None]:
         def step(it: int) -> None:
-            experts.decode_max_tokens = tokens if decode else 0
+            use(path)
             x = hidden[it]
             with pdl_disabled(not with_pdl):  # read at launch (and capture)
                 kernel.forward(x, *gated_topk(x, gate, args.topk, True))
@@ -181,7 +199,7 @@ def bench(
         return step
 
     def split_router(it: int) -> None:
-        experts.decode_max_tokens = tokens
+        use("decode")
         x = hidden[it]
         kernel.forward(x, *fused_topk(x, skinny_gemm(x, gate), args.topk, True))
 
@@ -190,7 +208,7 @@ def bench(
 
     def normed(routed: bool) -> Callable[[int], None]:
         def step(it: int) -> None:
-            experts.decode_max_tokens = tokens
+            use("decode")
             x, r = hidden[it], residual[it]
             if routed:
                 logits, h, _ = rms_norm_gated_logits(x, r, norm_weight, 1e-6, gate)
@@ -204,13 +222,16 @@ def bench(
         return step
 
     steps = {
-        "decode": layer(True),
-        "decode_no_pdl": layer(True, with_pdl=False),
-        "sorted": layer(False),
+        "decode": layer("decode"),
+        "decode_no_pdl": layer("decode", with_pdl=False),
+        "sorted": layer("sorted"),
     }
+    uint4 = isinstance(experts, MarlinExperts | TritonExpertsW4A8)
+    if uint4:
+        steps["grouped"] = layer("grouped")
     if router_topk_applies(tokens, e, torch.bfloat16):
         steps["split_router"] = split_router
-    experts.decode_max_tokens = tokens
+    use("decode")
     if kernel.routes_from_logits(hidden[0]):
         steps["normed_ids"], steps["normed_routed"] = normed(False), normed(True)
     times = time_graphs_us(steps, ITERS)
@@ -228,15 +249,16 @@ def bench(
     row = Row(
         label, tokens, distinct, bound_us, times["decode"], times["decode_no_pdl"],
         times.get("split_router"), times.get("normed_ids"),
-        times.get("normed_routed"), times["sorted"], kernels["decode_no_pdl"],
-        len(kernels["sorted"]),
+        times.get("normed_routed"), times["sorted"], times.get("grouped"),
+        kernels["decode_no_pdl"], len(kernels["sorted"]),
     )  # fmt: skip
     if isinstance(experts, MarlinExperts | TritonExpertsW4A8):
-        sweep = (
-            sweep_uint4_tiles(experts, hidden[0], ids)
-            if args.sweep and tokens <= type(experts).decode_max_tokens
-            else {}
-        )
+        sweep = {}
+        if args.sweep and tokens <= type(experts).decode_max_tokens:
+            sweep = sweep_uint4_tiles(experts, hidden[0], ids)
+        elif args.sweep and tokens <= type(experts).grouped_max_tokens:
+            sweep = sweep_grouped_tiles(experts, hidden[0], ids)
+            return row, sweep, str(default_grouped_mma_config(tokens))
         # What the layer runs on a GPU: the tensor-core kernels from 2 tokens.
         shipped = (
             default_mma_moe_decode_config(tokens)
@@ -302,6 +324,55 @@ def sweep_uint4_tiles(
             )  # fmt: skip
 
         steps[str(mma)] = mma_step
+    return time_graphs_us(steps, ITERS, repeats=3)
+
+
+def sweep_grouped_tiles(
+    experts: MarlinExperts | TritonExpertsW4A8,
+    hidden: torch.Tensor,
+    ids: list[torch.Tensor],
+) -> dict[str, float]:
+    """The grouped tensor-core kernels alone over a grid of tiles, each call
+    on its own routing, sorted beforehand (the sort is not timed)."""
+    moe = experts.moe
+    if isinstance(experts, MarlinExperts):
+        packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
+                  experts.w2_scales)  # fmt: skip
+        group_size = GROUP_SIZE
+    else:
+        packed = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
+        group_size = W4_GROUP
+    (rows, topk), dtype, device = ids[0].shape, hidden.dtype, hidden.device
+    rows *= topk
+    sorts = []
+    for routing in ids:
+        scratch = MoEPermuteScratch(moe.num_experts, moe.num_local_experts, device)
+        offsets, _ = moe_prepare_scatter(routing, None, scratch)
+        sorts.append((scratch.permuted_idx[:rows].clone(), offsets.clone()))
+    act = torch.empty(rows, moe.intermediate_size, device=device, dtype=dtype)
+    down = torch.empty(rows, moe.hidden_size, device=device, dtype=dtype)
+    steps: dict[str, Callable[[int], None]] = {}
+    for tiles in (
+        (4, 2, 2, 2, 1, 2, 1),
+        (4, 2, 2, 2, 1, 2, 2),
+        (2, 2, 4, 2, 1, 2, 1),
+        (2, 1, 2, 2, 1, 2, 1),
+        (8, 4, 2, 2, 1, 2, 1),
+        (4, 2, 2, 4, 2, 2, 1),
+        (4, 2, 2, 2, 1, 4, 1),
+        (4, 2, 2, 2, 2, 4, 1),
+        (1, 1, 4, 1, 1, 4, 1),
+        (4, 4, 1, 4, 4, 1, 1),
+    ):
+        config = GroupedMmaConfig(*tiles)
+
+        def step(it: int, config: GroupedMmaConfig = config) -> None:
+            marlin_moe_grouped(
+                hidden, *sorts[it], topk, *packed, moe.activation, group_size,
+                act, down, config,
+            )  # fmt: skip
+
+        steps[str(config)] = step
     return time_graphs_us(steps, ITERS, repeats=3)
 
 
@@ -372,11 +443,15 @@ def main() -> None:
         f"{'weights':<7} {'tokens':>6} {'experts':>7} {'bound us':>9} "
         f"{'decode us':>10} {'x bound':>8} {'no PDL us':>10} {'2-kernel router':>15} "
         f"{'normed ids':>10} {'normed routed':>13} "
-        f"{'sorted us':>10} {'x bound':>8} {'launches':>9}"
+        f"{'sorted us':>10} {'x bound':>8} {'grouped us':>10} {'x bound':>8} "
+        f"{'launches':>9}"
     )
 
     def us(t: float | None) -> str:
         return "-" if t is None else f"{t:.1f}"
+
+    def ratio(t: float | None, bound: float) -> str:
+        return "-" if t is None else f"{t / bound:.2f}"
 
     for r in rows:
         print(
@@ -384,7 +459,8 @@ def main() -> None:
             f"{r.bound_us:>9.1f} {r.decode_us:>10.1f} {r.decode_ratio:>8.2f} "
             f"{r.decode_no_pdl_us:>10.1f} {us(r.split_router_us):>15} "
             f"{us(r.normed_ids_us):>10} {us(r.normed_routed_us):>13} "
-            f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} "
+            f"{r.sorted_us:>10.1f} {r.sorted_ratio:>8.2f} {us(r.grouped_us):>10} "
+            f"{ratio(r.grouped_us, r.bound_us):>8} "
             f"{len(r.decode_kernels):>4}/{r.sorted_launches:<4}"
         )
     print("decode path kernels (eager, without PDL; device us):")

@@ -250,20 +250,17 @@ def _down_sum_kernel(
     )
 
 
-def check_decode_args(
+def check_uint4_experts(
     x: torch.Tensor,
-    topk: int,
     w13: torch.Tensor,
     w13_scales: torch.Tensor,
     w2: torch.Tensor,
     w2_scales: torch.Tensor,
-    expert_map: torch.Tensor | None,
     activation: str,
     group_size: int,
-    act: torch.Tensor,
-    out: torch.Tensor,
 ) -> None:
-    """Raise naming the first argument that does not fit."""
+    """Raise naming the first of the tokens, the weights in either packing,
+    the group size and the activation that does not fit."""
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not x.shape[1]:
         raise arg_error(
             "x", f"a [T, H > 0] bf16 or fp16 tensor, got {x.dtype} {tuple(x.shape)}"
@@ -321,11 +318,29 @@ def check_decode_args(
             raise arg_error(
                 name, f"a tensor at a 4-byte boundary, got offset {offset} bytes"
             )
-    if expert_map is not None:
-        check_index("expert_map", expert_map, 1, device)
     if activation not in ACTIVATIONS:
         raise arg_error("activation", f"one of {ACTIVATIONS}, got {activation!r}")
-    check_rows("act", act, tokens * topk, inter, (x.dtype,), device)
+
+
+def check_decode_args(
+    x: torch.Tensor,
+    topk: int,
+    w13: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    group_size: int,
+    act: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise naming the first argument that does not fit."""
+    check_uint4_experts(x, w13, w13_scales, w2, w2_scales, activation, group_size)
+    (tokens, hidden), device = x.shape, x.device
+    if expert_map is not None:
+        check_index("expert_map", expert_map, 1, device)
+    check_rows("act", act, tokens * topk, w13.shape[1] // 2, (x.dtype,), device)
     check_rows("out", out, tokens, hidden, (x.dtype,), device)
     if out.shape[0] != tokens:
         raise arg_error("out", f"{tokens} rows (one per token), got {out.shape[0]}")

@@ -240,7 +240,8 @@ def test_marlin_moe_gpu(workspace_init, tokens: int, topk: int, ep_size: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [4, 64])  # decode kernels, sorted path
+# the decode kernels, the grouped kernels, the sorted path
+@pytest.mark.parametrize("tokens", [4, 64, 128])
 def test_gpu_cuda_graph_replay_with_new_routing(workspace_init, tokens: int):
     torch.manual_seed(5)
     moe = moe_config("cuda", topk=8)

@@ -6,8 +6,10 @@ routed rows by local expert into workspace13; grouped GEMM1 -> workspace2;
 gated activation -> workspace13; grouped GEMM2 -> workspace2;
 ``moe_unpermute`` reduces into the output. Decode batches (up to
 ``MARLIN_DECODE_MAX_TOKENS`` tokens) skip the sort: :func:`marlin_moe_decode`
-runs each route's GEMM1 on the CUDA cores into workspace13, then GEMM2 and
-the sum over each token's routes in one kernel straight into the output.
+runs each route's GEMM1 into workspace13, then GEMM2 and the sum over each
+token's routes in one kernel straight into the output. Batches up to
+``GROUPED_MAX_TOKENS`` on NVIDIA GPUs take :mod:`.uint4_grouped` (each
+routed expert's weights read once, on the tensor cores).
 
 CUDA tensors run the Triton kernel (:func:`marlin_gemm_grouped`: no host sync,
 capturable); CPU tensors run a reference (dequantize, one matmul per expert).
@@ -28,6 +30,11 @@ from vllm.model_executor.kernels.marlin.moe_decode import (
 )
 from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, QuantScheme
+from vllm.model_executor.layers.fused_moe.experts.uint4_grouped import (
+    GROUPED_MAX_TOKENS,
+    apply_grouped,
+    runs_grouped,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
@@ -93,8 +100,10 @@ class MarlinExperts(FusedMoEExperts):
     """
 
     supported_schemes = (QuantScheme.W4A16_UINT4,)
-    # Token counts up to this take the decode kernels (benchmarks lower it).
+    # Token counts up to these take the decode kernels, then the grouped
+    # ones (benchmarks lower them).
     decode_max_tokens: int = MARLIN_DECODE_MAX_TOKENS
+    grouped_max_tokens: int = GROUPED_MAX_TOKENS
 
     def __init__(
         self,
@@ -253,6 +262,14 @@ class MarlinExperts(FusedMoEExperts):
                 carve(workspace13, (rows, i), dtype),
                 output,
             )
+            return
+        if runs_grouped(hidden_states, self.grouped_max_tokens):
+            apply_grouped(
+                self, output, hidden_states, topk_weights, topk_ids, expert_map,
+                (self.w13_packed, self.w13_scales, self.w2_packed, self.w2_scales),
+                GROUP_SIZE, carve(workspace13, (rows, i), dtype),
+                carve(workspace2, (rows, k), dtype),
+            )  # fmt: skip
             return
         scratch = self.permute_scratch(device)
         locks = get_marlin_workspace(device)  # this slot's and stream's

@@ -22,7 +22,9 @@ all of it but the GEMMs: the uint4 decode kernels of
 :mod:`~vllm.model_executor.kernels.marlin.moe_decode` (CUDA-core products
 on either packing) stream the packed weights route by route against the
 unquantized tokens (w4a16: no activation quantization, no sort) and run
-GEMM2 with the sum over each token's routes.
+GEMM2 with the sum over each token's routes. Batches up to
+``GROUPED_MAX_TOKENS`` on NVIDIA GPUs take :mod:`.uint4_grouped` (the same
+numerics; each routed expert's weights read once, on the tensor cores).
 
 CPU tensors take the kernels' plain-PyTorch references.
 """
@@ -66,6 +68,11 @@ from vllm.model_executor.layers.fused_moe.experts.fp8_channel import (
     carve_fp8_rows,
     fp8_rows_bytes,
 )
+from vllm.model_executor.layers.fused_moe.experts.uint4_grouped import (
+    GROUPED_MAX_TOKENS,
+    apply_grouped,
+    runs_grouped,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Shape,
@@ -80,8 +87,10 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 
 class TritonExpertsW4A8(FusedMoEExperts):
     supported_schemes = (QuantScheme.W4A8_UINT4,)
-    # Token counts up to this take the decode kernels (benchmarks lower it).
+    # Token counts up to these take the decode kernels, then the grouped
+    # ones (benchmarks lower them).
     decode_max_tokens: int = DECODE_MAX_TOKENS
+    grouped_max_tokens: int = GROUPED_MAX_TOKENS
 
     def __init__(
         self,
@@ -152,8 +161,11 @@ class TritonExpertsW4A8(FusedMoEExperts):
         local_num_experts: int,
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
-        # workspace13: the tokens in fp8, later the activation rows in fp8.
+        # workspace13: the tokens in fp8, later the activation rows in fp8;
+        # in the grouped kernels' batches the activation rows (16-bit).
         workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
+        if self.grouped_max_tokens >= M:
+            workspace13 = max(workspace13, rows * inter * self.moe.in_dtype.itemsize)
         # workspace2: GEMM1's activation, later GEMM2's rows.
         workspace2 = rows * max(inter, K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
@@ -222,6 +234,14 @@ class TritonExpertsW4A8(FusedMoEExperts):
                 carve(workspace2, (rows, inter), output.dtype),
                 output,
             )
+            return
+        if runs_grouped(hidden_states, self.grouped_max_tokens):
+            apply_grouped(
+                self, output, hidden_states, topk_weights, topk_ids, expert_map,
+                (self.w13, self.w13_scale, self.w2, self.w2_scale), W4_GROUP,
+                carve(workspace13, (rows, inter), output.dtype),
+                carve(workspace2, (rows, hidden), output.dtype),
+            )  # fmt: skip
             return
         gated: Callable[..., torch.Tensor]
         gemm: Callable[..., torch.Tensor]
