@@ -195,8 +195,7 @@ def test_compiles_for_sm90_without_a_gpu():
         if name == "_grouped_gated_kernel":
             assert (mmas, loads_before) == (24 * blocks, 0)
         else:
-            assert mmas == 16 * blocks
-            assert loads_before >= 4  # two offsets, rows g and g + 8's words
+            assert (mmas, loads_before) == (16 * blocks, 4)
         assert spills == 0
 
 
@@ -211,6 +210,16 @@ def test_matches_reference(device, config, tokens, topk, activation, dtype):
     # GEMM2 and 16 / 32 gate-up columns a program.
     _cuda(device)
     _run(tokens, 384, 256, 6, topk, dtype, device, activation, config=config)
+
+
+@pytest.mark.parametrize("w4a8", [False, True])
+def test_partial_column_tiles(device, w4a8):
+    """Intermediate 384 over GEMM1's programs of 256 gate/up columns: the
+    second program's columns past I are computed from repeated rows and
+    not stored."""
+    _cuda(device)
+    _run(11, 256, 384, 4, 4, torch.bfloat16, device,
+         config=GroupedMmaConfig(32, 2, 1, 1, 1, 1), w4a8=w4a8)  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens", [3, 20])
@@ -247,21 +256,30 @@ def test_bad_inputs_raise(device):
     with pytest.raises(ValueError, match="permuted_idx: expected contiguous"):
         marlin_moe_grouped(x, perm.long(), offsets, topk, *weights, "silu", 128, act,
                            down)  # fmt: skip
-    with pytest.raises(ValueError, match=r"down: expected \[>= 6, 256\]"):
+    with pytest.raises(ValueError, match=r"down: expected a \[>= 6, 256\]"):
         call("silu", 128, act, down[:, :128])
-    with pytest.raises(ValueError, match=r"act: expected torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"act: expected a \[>= 6, 128\] tensor"):
         call("silu", 128, act.half(), down)
     with pytest.raises(ValueError, match="activation: expected one of"):
         call("gelu", 128, act, down)
     with pytest.raises(ValueError, match="group_size: expected"):
         call("silu", 64, act, down)
-    with pytest.raises(ValueError, match="config: a_blocks must be 1 or 2"):
+    with pytest.raises(ValueError, match="topk: expected >= 1, got 0"):
+        marlin_moe_grouped(x, perm, offsets, 0, *weights, "silu", 128, act, down)
+    with pytest.raises(ValueError, match=r"permuted_idx: expected contiguous .*\[9\]"):
+        marlin_moe_grouped(x, perm, offsets, 3, *weights, "silu", 128, act, down)
+    with pytest.raises(ValueError, match="config: expected a_blocks 1 or 2"):
         call("silu", 128, act, down, GroupedMmaConfig(1, 1, 1, 1, 1, 1, 4))
     with pytest.raises(ValueError, match="config: gated_row_tiles must be a power"):
         call("silu", 128, act, down, GroupedMmaConfig(3, 1, 1, 1, 1, 1))
     if device.type != "cuda":
-        with pytest.raises(ValueError, match="x: the grouped tensor-core kernels"):
+        with pytest.raises(ValueError, match="config: expected a GroupedMmaConfig"):
             call("silu", 128, act, down)
+    else:  # no tokens: nothing to launch, nothing written
+        down.fill_(POISON)
+        marlin_moe_grouped(x[:0], perm[:0], offsets, topk, *weights, "silu", 128,
+                           act, down)  # fmt: skip
+        assert bool(torch.isnan(down).all())
 
 
 @pytest.mark.gpu

@@ -40,7 +40,11 @@ from vllm.model_executor.kernels.common.activation_quant import (
     SWIGLU_LIMIT,
     gated_act,
 )
-from vllm.model_executor.kernels.common.checks import arg_error, check_contiguous
+from vllm.model_executor.kernels.common.checks import (
+    arg_error,
+    check_contiguous,
+    check_rows,
+)
 from vllm.model_executor.kernels.common.gluon_combine import add
 from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait, pdl
 from vllm.model_executor.kernels.marlin.config import TILE_K
@@ -302,7 +306,7 @@ def marlin_moe_grouped(
     ``offsets[-1]`` on are not written."""
     check_uint4_experts(x, w13, w13_scales, w2, w2_scales, activation, group_size)
     config = config or default_grouped_mma_config(x.shape[0])
-    check_grouped_mma(x, permuted_idx, offsets, act, down, w13, w2, config)
+    check_grouped_mma(x, permuted_idx, topk, offsets, act, down, w13, w2, config)
     if permuted_idx.shape[0]:
         launch_grouped_mma(
             x, permuted_idx, offsets, topk, w13, w13_scales, w2, w2_scales,
@@ -314,6 +318,7 @@ def marlin_moe_grouped(
 def check_grouped_mma(
     x: torch.Tensor,
     permuted_idx: torch.Tensor,
+    topk: int,
     offsets: torch.Tensor,
     act: torch.Tensor,
     down: torch.Tensor,
@@ -322,21 +327,17 @@ def check_grouped_mma(
     config: GroupedMmaConfig,
 ) -> None:
     """Raise naming what this path needs beyond the uint4 experts' checks
-    (:func:`.moe_decode.check_uint4_experts`): the sort's index tensors,
-    ``act`` [R, I] and ``down`` [R, H], 16-byte aligned rows, the config
-    and a GPU that runs it."""
-    rows, device = permuted_idx.shape[0], x.device
+    (:func:`.moe_decode.check_uint4_experts`): ``topk``, the sort's index
+    tensors of ``R = T * topk`` routes, ``act`` [>= R, I] and ``down`` [>=
+    R, H], 16-byte aligned rows, the config and a GPU that runs it."""
+    (tokens, hidden), device = x.shape, x.device
+    if topk < 1:
+        raise arg_error("topk", f">= 1, got {topk}")
+    rows = tokens * topk
     check_contiguous("permuted_idx", permuted_idx, torch.int32, (rows,), device)
     check_contiguous("offsets", offsets, torch.int64, (w13.shape[0] + 1,), device)
-    inter, hidden = w13.shape[1] // 2, x.shape[1]
-    for name, t, width in (("act", act, inter), ("down", down, hidden)):
-        if t.dim() != 2 or t.shape[0] < rows or t.shape[1] != width:
-            raise arg_error(name, f"[>= {rows}, {width}], got {tuple(t.shape)}")
-        if t.dtype != x.dtype or t.device != device or t.stride(1) != 1:
-            raise arg_error(
-                name, f"{x.dtype} on {device} with unit column stride, got "
-                f"{t.dtype} on {t.device} (strides {t.stride()})",
-            )  # fmt: skip
+    check_rows("act", act, rows, w13.shape[1] // 2, (x.dtype,), device)
+    check_rows("down", down, rows, hidden, (x.dtype,), device)
     for name, t in (("x", x), ("act", act), ("down", down), ("w13", w13), ("w2", w2)):
         if not rows_aligned(t):
             raise arg_error(
@@ -349,12 +350,12 @@ def check_grouped_mma(
     ):
         check_warp_tiles(config, names)
     if config.a_blocks not in (1, 2):
-        raise ValueError(f"config: a_blocks must be 1 or 2: {config}")
+        raise arg_error("config", f"a_blocks 1 or 2, got {config}")
     if not runs_mma(device):
-        raise ValueError(
-            "x: the grouped tensor-core kernels run compiled on NVIDIA GPUs of "
-            f"compute capability 8.0 or later (mma.sync), not on {device}"
-        )
+        raise arg_error(
+            "config", "a GroupedMmaConfig runs compiled on NVIDIA GPUs of compute "
+            f"capability 8.0 or later (mma.sync), not on {device}",
+        )  # fmt: skip
 
 
 def launch_grouped_mma(

@@ -11,6 +11,7 @@ from tests.model_executor.layers.fused_moe.utils import (
     check_backend,
     make_layer,
     moe_config,
+    random_weights,
 )
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     grouped_gemm_w4a8,
@@ -123,3 +124,20 @@ def test_limits_are_named(device):
     w = torch.zeros(moe.num_local_experts, 1, 1, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match=r"w13: expected torch\.uint8"):
         TritonExpertsW4A8(moe, w, w.float(), w, w.float())
+
+
+@pytest.mark.parametrize("capacity", [3, 80, 8192])
+def test_workspaces_hold_the_grouped_rows_of_any_batch(device, capacity):
+    """The workspaces are sized for a capacity of M tokens, and any batch up
+    to it may come (under all2all a rank gets fewer than the capacity): the
+    grouped kernels' 16-bit activation rows of every batch up to
+    ``grouped_max_tokens`` fit workspace13, their output rows workspace2."""
+    moe = moe_config(device, scheme=QuantScheme.W4A8_UINT4, **CPU_DIMS)
+    experts = TritonExpertsW4A8.from_unquantized(moe, *random_weights(moe, device))
+    k, i, topk = moe.hidden_size, moe.intermediate_size, moe.experts_per_token
+    (ws13,), (ws2,), _ = experts.workspace_shapes(
+        capacity, 2 * i, k, topk, moe.num_experts, moe.num_local_experts
+    )
+    batch = min(capacity, experts.grouped_max_tokens)
+    assert ws13 >= batch * topk * i * moe.in_dtype.itemsize
+    assert ws2 >= batch * topk * k * moe.in_dtype.itemsize

@@ -162,10 +162,14 @@ class TritonExpertsW4A8(FusedMoEExperts):
     ) -> tuple[Shape, Shape, Shape]:
         rows, inter = M * topk, N // 2
         # workspace13: the tokens in fp8, later the activation rows in fp8;
-        # in the grouped kernels' batches the activation rows (16-bit).
-        workspace13 = max(fp8_rows_bytes(M, K), fp8_rows_bytes(rows, inter))
-        if self.grouped_max_tokens >= M:
-            workspace13 = max(workspace13, rows * inter * self.moe.in_dtype.itemsize)
+        # in the grouped kernels' batches the activation rows (16-bit). M is
+        # a capacity: a batch of any size up to it may come.
+        grouped_rows = min(M, self.grouped_max_tokens) * topk
+        workspace13 = max(
+            fp8_rows_bytes(M, K),
+            fp8_rows_bytes(rows, inter),
+            grouped_rows * inter * self.moe.in_dtype.itemsize,
+        )
         # workspace2: GEMM1's activation, later GEMM2's rows.
         workspace2 = rows * max(inter, K) * self.moe.in_dtype.itemsize
         return (workspace13,), (workspace2,), (M, K)
