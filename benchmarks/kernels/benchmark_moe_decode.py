@@ -258,7 +258,7 @@ def bench(
             sweep = sweep_uint4_tiles(experts, hidden[0], ids)
         elif args.sweep and tokens <= type(experts).grouped_max_tokens:
             sweep = sweep_grouped_tiles(experts, hidden[0], ids)
-            return row, sweep, str(default_grouped_mma_config(tokens))
+            return row, sweep, str(default_grouped_mma_config())
         # What the layer runs on a GPU: the tensor-core kernels from 2 tokens.
         shipped = (
             default_mma_moe_decode_config(tokens)
@@ -353,16 +353,15 @@ def sweep_grouped_tiles(
     down = torch.empty(rows, moe.hidden_size, device=device, dtype=dtype)
     steps: dict[str, Callable[[int], None]] = {}
     for tiles in (
-        (4, 2, 2, 2, 1, 2, 1),
-        (4, 2, 2, 2, 1, 2, 2),
-        (2, 2, 4, 2, 1, 2, 1),
-        (2, 1, 2, 2, 1, 2, 1),
-        (8, 4, 2, 2, 1, 2, 1),
-        (4, 2, 2, 4, 2, 2, 1),
-        (4, 2, 2, 2, 1, 4, 1),
-        (4, 2, 2, 2, 2, 4, 1),
-        (1, 1, 4, 1, 1, 4, 1),
-        (4, 4, 1, 4, 4, 1, 1),
+        (4, 2, 2, 2, 1, 2),
+        (2, 2, 4, 2, 1, 2),
+        (2, 1, 2, 2, 1, 2),
+        (8, 4, 2, 2, 1, 2),
+        (4, 2, 2, 4, 2, 2),
+        (4, 2, 2, 2, 1, 4),
+        (4, 2, 2, 2, 2, 4),
+        (1, 1, 4, 1, 1, 4),
+        (4, 4, 1, 4, 4, 1),
     ):
         config = GroupedMmaConfig(*tiles)
 

@@ -4,7 +4,7 @@ unpermuted, against the decode kernels' plain-PyTorch reference.
 
 Routing as in ``test_moe_decode.py`` (a repeated expert, the first and last
 expert, invalid ids and, under ``expert_map``, remote experts), and batches
-where an expert holds more routes than one pass of 8 or 16 A rows; ``act``
+where an expert holds more routes than one pass of 8 A rows; ``act``
 and ``down`` rows of routes without a local expert stay poisoned. Gluon
 with inline PTX: the kernels run on NVIDIA GPUs only (CPU runs check their
 build for sm_90 and the argument errors).
@@ -48,11 +48,10 @@ from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import (
 MODULE = "tests.model_executor.kernels.marlin.test_moe_grouped_mma"
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CONFIGS = [
-    default_grouped_mma_config(16),
-    default_grouped_mma_config(64),  # 16 A rows a pass
+    default_grouped_mma_config(),
     GroupedMmaConfig(1, 1, 1, 1, 1, 1),
     # GEMM2's programs of 256 columns: the second one partial at hidden 384.
-    GroupedMmaConfig(2, 1, 4, 16, 8, 1, 2),
+    GroupedMmaConfig(2, 1, 4, 16, 8, 1),
 ]
 
 
@@ -117,22 +116,19 @@ def _run(tokens, hidden, inter, experts, topk, dtype, device, activation="silu",
 
 
 def compile_kernels() -> None:
-    """Both kernels at the defaults for 16 and 64 tokens (8 and 16 A rows a
-    pass), bf16 and fp16, both packings (run in a process of its own by the
-    test below): MMAs in the PTX, registers, spills, and the loads before
-    the PDL wait in the SASS."""
+    """Both kernels at the default config, bf16 and fp16, both packings (run
+    in a process of its own by the test below): MMAs in the PTX, spills,
+    and the loads before the PDL wait in the SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    for tokens, dtype, w4a8 in itertools.product(
-        (16, 64), ("bf16", "fp16"), (False, True)
-    ):
-        cfg, fp16 = default_grouped_mma_config(tokens), dtype == "fp16"
+    cfg = default_grouped_mma_config()
+    for dtype, w4a8 in itertools.product(("bf16", "fp16"), (False, True)):
+        fp16 = dtype == "fp16"
         ptr, scale = f"*{dtype}", "*fp32" if w4a8 else f"*{dtype}"
         common: dict[str, object] = dict(
             NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=128, FP16=fp16, PDL=True,
-            A_BLOCKS=cfg.a_blocks,
         )  # fmt: skip
         gated = common | dict(
             GATE_UP_INTERLEAVED=w4a8, MODE=1, ALPHA=1.702, LIMIT=7.0,
@@ -177,25 +173,22 @@ def compile_kernels() -> None:
             spills = usage.get("LOCAL", 0) + usage.get("STACK", 0)
             print(
                 COMPILED,
-                json.dumps(
-                    [kernel.__name__, cfg.a_blocks, mmas, before.count("LDG"), spills]
-                ),
+                json.dumps([kernel.__name__, mmas, before.count("LDG"), spills]),
             )
 
 
 def test_compiles_for_sm90_without_a_gpu():
     """A K step per warp of GEMM1 (2 row tiles) is 8 offset MMAs and 16 for
-    each tile, per block of A rows; GEMM2 (one tile a warp) 8 + 8 per
-    block. GEMM1 loads nothing before the PDL wait (the sort is the
-    previous kernel's); GEMM2 loads its expert's offsets and first words
-    before it. No build spills."""
+    the tiles; GEMM2 (one tile a warp) 8 + 8. GEMM1 loads nothing before
+    the PDL wait (the sort is the previous kernel's); GEMM2 loads its
+    expert's offsets and first words before it. No build spills."""
     builds = compiled_in_own_process(MODULE)
-    assert len(builds) == 16
-    for name, blocks, mmas, loads_before, spills in builds:
+    assert len(builds) == 8
+    for name, mmas, loads_before, spills in builds:
         if name == "_grouped_gated_kernel":
-            assert (mmas, loads_before) == (24 * blocks, 0)
+            assert (mmas, loads_before) == (24, 0)
         else:
-            assert (mmas, loads_before) == (16 * blocks, 4)
+            assert (mmas, loads_before) == (16, 4)
         assert spills == 0
 
 
@@ -205,7 +198,7 @@ def test_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_matches_reference(device, config, tokens, topk, activation, dtype):
     # 6 experts: at 33 tokens x top-5 an expert holds ~27 routes (passes
-    # of 8 or 16 A rows with a partial last); hidden 384: 3 K steps of GEMM1
+    # of 8 A rows with a partial last); hidden 384: 3 K steps of GEMM1
     # and a partial GEMM2 program at 256 columns; inter 256: 2 K steps of
     # GEMM2 and 16 / 32 gate-up columns a program.
     _cuda(device)
@@ -268,8 +261,6 @@ def test_bad_inputs_raise(device):
         marlin_moe_grouped(x, perm, offsets, 0, *weights, "silu", 128, act, down)
     with pytest.raises(ValueError, match=r"permuted_idx: expected contiguous .*\[9\]"):
         marlin_moe_grouped(x, perm, offsets, 3, *weights, "silu", 128, act, down)
-    with pytest.raises(ValueError, match="config: expected a_blocks 1 or 2"):
-        call("silu", 128, act, down, GroupedMmaConfig(1, 1, 1, 1, 1, 1, 4))
     with pytest.raises(ValueError, match="config: gated_row_tiles must be a power"):
         call("silu", 128, act, down, GroupedMmaConfig(3, 1, 1, 1, 1, 1))
     if device.type != "cuda":

@@ -8,9 +8,11 @@ from 8-16 tokens on (Qwen3-30B-A3B at 16 tokens: 128 routes over ~82
 experts; at 64: 512 over ~128). Here the routes come sorted by local
 expert (``moe_prepare_scatter``: ``offsets`` [E + 1] and the destination ->
 route index ``permuted_idx``), and a program owns one expert's weight
-rows, its routes' rows the MMA's n = 8 (16 with ``a_blocks`` 2) A rows in
-the K loop of :func:`.mma_rows.mma_rows`; an expert with more routes
-takes its rows a block at a time (the weights then come from L2).
+rows, its routes' rows the MMA's n = 8 A rows in the K loop of
+:func:`.mma_rows.mma_rows`; an expert with more routes takes them 8 at a
+time (the weights then come from L2; 16 a pass, with a second MMA per
+fragment, was a third slower at 64 tokens: more registers for rows most
+experts do not have).
 
 - GEMM1 (:func:`_grouped_gated_kernel`): one program per (local expert,
   ``8 x ROW_TILES`` intermediate columns); A rows are the routes' tokens
@@ -49,7 +51,6 @@ from vllm.model_executor.kernels.common.gluon_combine import add
 from vllm.model_executor.kernels.common.pdl import gluon_pdl_wait, pdl
 from vllm.model_executor.kernels.marlin.config import TILE_K
 from vllm.model_executor.kernels.marlin.mma_rows import (
-    append,
     check_warp_tiles,
     mma_rows,
     rows_aligned,
@@ -63,8 +64,8 @@ _TILE_K = gl.constexpr(TILE_K)
 @dataclass(frozen=True)
 class GroupedMmaConfig:
     """GEMM1's 16-row tiles (8 gate/up column pairs each) per program, of
-    them per warp, and warps over K; the same for GEMM2's 16-column tiles;
-    blocks of 8 A rows per pass over an expert's weights (1 or 2)."""
+    them per warp, and warps over K; the same for GEMM2's 16-column
+    tiles."""
 
     gated_row_tiles: int
     gated_tiles_per_warp: int
@@ -72,39 +73,26 @@ class GroupedMmaConfig:
     down_row_tiles: int
     down_tiles_per_warp: int
     down_k_split: int
-    a_blocks: int = 1
 
 
-def default_grouped_mma_config(tokens: int) -> GroupedMmaConfig:
-    """Tiles as :mod:`.moe_decode_mma`'s GEMM1 from 4 tokens; GEMM2's K (6
-    steps at Qwen3-30B-A3B's 768) over 2 warps; 16 A rows a pass from 64
-    tokens (a mean of 4 routes an expert at top-8 of 128, up to ~12)."""
-    return GroupedMmaConfig(4, 2, 2, 2, 1, 2, 2 if tokens >= 64 else 1)
+def default_grouped_mma_config() -> GroupedMmaConfig:
+    """Within 2% of the fastest of 9 at 16 and 64 tokens, both packings
+    (H100, ``benchmark_moe_decode --sweep``): GEMM1 as
+    :mod:`.moe_decode_mma`'s from 4 tokens, GEMM2's K (6 steps at
+    Qwen3-30B-A3B's 768) over 2 warps."""
+    return GroupedMmaConfig(4, 2, 2, 2, 1, 2)
 
 
 @gluon.jit
-def _route_rows(first, end, ptr, perm_ptr, topk, stride, t, GATHER: gl.constexpr):
-    """Int32 pointers to lane t's 64-byte run of A rows ``first + g`` (past
-    ``end``: the last row, not stored): the rows' tokens of ``ptr`` where
-    ``GATHER``, else ``ptr``'s rows themselves."""
-    row = gl.minimum(first, end - 1)
+def _route_rows(row, end, ptr, perm_ptr, topk, stride, t, GATHER: gl.constexpr):
+    """Int32 pointers to lane t's 64-byte run of A row ``row`` (lane g's of
+    the pass; past ``end``: the last row, not stored): the row's token of
+    ``ptr`` where ``GATHER``, else ``ptr``'s row itself."""
+    row = gl.minimum(row, end - 1)
     if GATHER:
         row = gl.load(perm_ptr + row) // topk
     rows = ptr + row.to(gl.int64) * stride
     return rows.to(gl.pointer_type(gl.int32), bitcast=True) + t * 16
-
-
-@gluon.jit
-def _a_rows(first, end, ptr, perm_ptr, topk, stride, g, t, A_BLOCKS: gl.constexpr,
-            GATHER: gl.constexpr):  # fmt: skip
-    """:func:`_route_rows` for each block of 8 A rows from ``first``."""
-    rows = ()
-    for b in gl.static_range(A_BLOCKS):
-        block = first + 8 * b + g
-        rows = append(
-            rows, _route_rows(block, end, ptr, perm_ptr, topk, stride, t, GATHER)
-        )
-    return rows
 
 
 @gluon.jit
@@ -134,7 +122,6 @@ def _grouped_gated_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
-    A_BLOCKS: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
@@ -173,30 +160,28 @@ def _grouped_gated_kernel(
     rt2 = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(1, out_layout))[:, None]
     cols = gl.program_id(1) * (8 * ROW_TILES) + rt2 * 8 + lane2 // 4
     dtype = act_ptr.dtype.element_ty
-    for first in range(start, end, 8 * A_BLOCKS):
-        blocks = mma_rows(
+    for first in range(start, end, 8):
+        x_rows = _route_rows(first + g, end, x_ptr, perm_ptr, topk, stride_x, t, True)
+        # Lane (g, t): gate and up of column g for A rows 2t, 2t + 1.
+        gate0, gate1, up0, up1 = mma_rows(
             w_expert + gate_row.to(gl.int64) * stride_wn,
             w_expert + up_row.to(gl.int64) * stride_wn,
             s_expert + gate_row * stride_sn, s_expert + up_row * stride_sn,
-            _a_rows(first, end, x_ptr, perm_ptr, topk, stride_x, g, t, A_BLOCKS, True),
-            ks + gl.zeros_like(lane), K // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE,
-            FP16, False, NIBBLES_IN_ORDER,
-        )  # fmt: skip
-        for b in gl.static_range(A_BLOCKS):
-            # Lane (g, t): gate and up of column g for A rows 2t, 2t + 1.
-            gate0, gate1, up0, up1 = blocks[b]
-            act0 = gated_act(
-                gl.reduce(gate0, 0, add), gl.reduce(up0, 0, add), MODE, ALPHA, LIMIT
-            )
-            act1 = gated_act(
-                gl.reduce(gate1, 0, add), gl.reduce(up1, 0, add), MODE, ALPHA, LIMIT
-            )
-            row = first + 8 * b + 2 * (lane2 % 4)
-            ptrs = act_ptr + row.to(gl.int64) * stride_act + cols
-            gl.store(ptrs, act0.to(dtype), mask=(cols < inter) & (row < end))
-            gl.store(
-                ptrs + stride_act, act1.to(dtype), mask=(cols < inter) & (row + 1 < end)
-            )
+            (x_rows,), ks + gl.zeros_like(lane), K // _TILE_K, stride_sg, K_SPLIT,
+            GROUP_SIZE, FP16, False, NIBBLES_IN_ORDER,
+        )[0]  # fmt: skip
+        act0 = gated_act(
+            gl.reduce(gate0, 0, add), gl.reduce(up0, 0, add), MODE, ALPHA, LIMIT
+        )
+        act1 = gated_act(
+            gl.reduce(gate1, 0, add), gl.reduce(up1, 0, add), MODE, ALPHA, LIMIT
+        )
+        row = first + 2 * (lane2 % 4)
+        ptrs = act_ptr + row.to(gl.int64) * stride_act + cols
+        gl.store(ptrs, act0.to(dtype), mask=(cols < inter) & (row < end))
+        gl.store(
+            ptrs + stride_act, act1.to(dtype), mask=(cols < inter) & (row + 1 < end)
+        )
 
 
 @gluon.jit
@@ -220,7 +205,6 @@ def _grouped_down_kernel(
     ROW_TILES: gl.constexpr,
     TILES_PER_WARP: gl.constexpr,
     K_SPLIT: gl.constexpr,
-    A_BLOCKS: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
@@ -255,33 +239,31 @@ def _grouped_down_kernel(
     lane2 = gl.arange(0, 32, layout=gl.SliceLayout(0, out_layout))[None, :]
     col = gl.program_id(1) * (16 * ROW_TILES) + rt2 * 16 + lane2 // 4
     dtype = down_ptr.dtype.element_ty
-    for first in range(start, end, 8 * A_BLOCKS):
-        blocks = mma_rows(
+    for first in range(start, end, 8):
+        a_rows = _route_rows(first + g, end, act_ptr, act_ptr, 1, stride_act, t, False)
+        # Lane (g, t) holds columns g, g + 8 of A rows 2t, 2t + 1.
+        acc0, acc1, acc2, acc3 = mma_rows(
             w_expert + row_lo.to(gl.int64) * stride_wn,
             w_expert + row_hi.to(gl.int64) * stride_wn,
             s_expert + row_lo * stride_sn, s_expert + row_hi * stride_sn,
-            _a_rows(first, end, act_ptr, act_ptr, 1, stride_act, g, t, A_BLOCKS, False),
-            ks + gl.zeros_like(lane), inter // _TILE_K, stride_sg, K_SPLIT, GROUP_SIZE,
-            FP16, PDL, NIBBLES_IN_ORDER,
-        )  # fmt: skip
-        for b in gl.static_range(A_BLOCKS):
-            # Lane (g, t) holds columns g, g + 8 of A rows 2t, 2t + 1.
-            acc0, acc1, acc2, acc3 = blocks[b]
-            row = first + 8 * b + 2 * (lane2 % 4)
-            ptrs = down_ptr + row.to(gl.int64) * stride_down + col
-            lo, hi = col < hidden, col + 8 < hidden
-            gl.store(ptrs, gl.reduce(acc0, 0, add).to(dtype), mask=lo & (row < end))
-            gl.store(
-                ptrs + stride_down,
-                gl.reduce(acc1, 0, add).to(dtype),
-                mask=lo & (row + 1 < end),
-            )
-            gl.store(ptrs + 8, gl.reduce(acc2, 0, add).to(dtype), mask=hi & (row < end))
-            gl.store(
-                ptrs + stride_down + 8,
-                gl.reduce(acc3, 0, add).to(dtype),
-                mask=hi & (row + 1 < end),
-            )
+            (a_rows,), ks + gl.zeros_like(lane), inter // _TILE_K, stride_sg,
+            K_SPLIT, GROUP_SIZE, FP16, PDL, NIBBLES_IN_ORDER,
+        )[0]  # fmt: skip
+        row = first + 2 * (lane2 % 4)
+        ptrs = down_ptr + row.to(gl.int64) * stride_down + col
+        lo, hi = col < hidden, col + 8 < hidden
+        gl.store(ptrs, gl.reduce(acc0, 0, add).to(dtype), mask=lo & (row < end))
+        gl.store(
+            ptrs + stride_down,
+            gl.reduce(acc1, 0, add).to(dtype),
+            mask=lo & (row + 1 < end),
+        )
+        gl.store(ptrs + 8, gl.reduce(acc2, 0, add).to(dtype), mask=hi & (row < end))
+        gl.store(
+            ptrs + stride_down + 8,
+            gl.reduce(acc3, 0, add).to(dtype),
+            mask=hi & (row + 1 < end),
+        )
 
 
 def marlin_moe_grouped(
@@ -305,7 +287,7 @@ def marlin_moe_grouped(
     ``act`` [>= R, I] is scratch. Returns ``down`` [>= R, H]; rows from
     ``offsets[-1]`` on are not written."""
     check_uint4_experts(x, w13, w13_scales, w2, w2_scales, activation, group_size)
-    config = config or default_grouped_mma_config(x.shape[0])
+    config = config or default_grouped_mma_config()
     check_grouped_mma(x, permuted_idx, topk, offsets, act, down, w13, w2, config)
     if permuted_idx.shape[0]:
         launch_grouped_mma(
@@ -349,8 +331,6 @@ def check_grouped_mma(
         ("down_row_tiles", "down_tiles_per_warp", "down_k_split"),
     ):
         check_warp_tiles(config, names)
-    if config.a_blocks not in (1, 2):
-        raise arg_error("config", f"a_blocks 1 or 2, got {config}")
     if not runs_mma(device):
         raise arg_error(
             "config", "a GroupedMmaConfig runs compiled on NVIDIA GPUs of compute "
@@ -389,7 +369,7 @@ def launch_grouped_mma(
         GATE_UP_INTERLEAVED=w4a8, NIBBLES_IN_ORDER=w4a8, MODE=MODES[activation],
         ALPHA=SWIGLU_ALPHA, LIMIT=SWIGLU_LIMIT, GROUP_SIZE=group_size,
         ROW_TILES=config.gated_row_tiles, TILES_PER_WARP=config.gated_tiles_per_warp,
-        K_SPLIT=config.gated_k_split, A_BLOCKS=config.a_blocks, FP16=fp16,
+        K_SPLIT=config.gated_k_split, FP16=fp16,
         PDL=launch_pdl,
         num_warps=config.gated_row_tiles // config.gated_tiles_per_warp
         * config.gated_k_split,
@@ -402,7 +382,7 @@ def launch_grouped_mma(
         w2_scales.stride(row_dim), w2_scales.stride(group_dim),
         NIBBLES_IN_ORDER=w4a8, GROUP_SIZE=group_size,
         ROW_TILES=config.down_row_tiles, TILES_PER_WARP=config.down_tiles_per_warp,
-        K_SPLIT=config.down_k_split, A_BLOCKS=config.a_blocks, FP16=fp16,
+        K_SPLIT=config.down_k_split, FP16=fp16,
         PDL=launch_pdl,
         num_warps=config.down_row_tiles // config.down_tiles_per_warp
         * config.down_k_split,

@@ -107,7 +107,7 @@ def check_moe(moe: FusedMoEConfig, tokens: int, device, tolerance: float) -> Non
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize("ep_size", [1, 4])
 @pytest.mark.parametrize("topk", [1, 2, 8])
-@pytest.mark.parametrize("tokens", [1, 4, 7, 64])  # 4: the decode path's last
+@pytest.mark.parametrize("tokens", [1, 7, 8, 64])  # 8: the decode path's last
 def test_marlin_moe_cpu(
     workspace_init, monkeypatch, tokens: int, topk: int, ep_size: int, kernel: bool
 ):
@@ -117,7 +117,8 @@ def test_marlin_moe_cpu(
     use_kernel(monkeypatch, kernel)
     seen = spy_workspaces(monkeypatch)
     check_moe(moe_config("cpu", topk, ep_size), tokens, "cpu", 2e-2)
-    # Decode batches take the route-by-route kernels, not the grouped ones.
+    # Decode batches take the route-by-route kernels, not the grouped GEMMs
+    # (nor, on a CPU, the grouped tensor-core kernels).
     sorted_path = kernel and tokens > MarlinExperts.decode_max_tokens
     assert len(seen) == (2 if sorted_path else 0)
     assert all(locks is get_marlin_workspace("cpu") for locks in seen)
@@ -133,7 +134,8 @@ def test_locks_from_manager_not_experts(
     moe = moe_config(device, topk=2)
     w13, w2 = random_weights(moe, device)
     experts = MarlinExperts.from_unquantized(moe, w13, w2)
-    experts.decode_max_tokens = 0  # the sorted path: the one with locks
+    # the sorted path: the one with locks
+    experts.decode_max_tokens = experts.grouped_max_tokens = 0
     kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), experts)
     hidden = torch.randn(5, moe.hidden_size, device=device, dtype=moe.in_dtype)
     weights, ids = fused_topk(
@@ -160,7 +162,7 @@ def test_locks_from_manager_not_experts(
     total = workspace_init.memory_report().total_bytes
     workspace_init.lock()
     rebuilt = MarlinExperts.from_unquantized(moe, w13, w2)
-    rebuilt.decode_max_tokens = 0
+    rebuilt.decode_max_tokens = rebuilt.grouped_max_tokens = 0
     after = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), rebuilt).forward(
         hidden, weights, ids
     )
@@ -272,6 +274,6 @@ def test_gpu_cuda_graph_replay_with_new_routing(workspace_init, tokens: int):
             expected = run()
         stream.synchronize()
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    if tokens > experts.decode_max_tokens:  # the decode kernels take no locks
+    if tokens > experts.grouped_max_tokens:  # the sorted path takes locks
         with torch.cuda.stream(stream):
             assert int(get_marlin_workspace("cuda").abs().sum()) == 0

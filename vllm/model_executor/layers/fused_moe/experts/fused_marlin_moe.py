@@ -53,10 +53,10 @@ from vllm.model_executor.layers.quantization.utils.marlin_utils import (
 
 GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
 # Up to this many tokens the route-by-route decode kernels run: per-route
-# weight reads cost little while few tokens share an expert (on the H200 at
-# qwen3-30b-a3b dims they win up to 4 tokens, 58.8 against 73.0 us, and tie
-# at 8, 103.8 against 103.8: benchmarks/RESULTS.md).
-MARLIN_DECODE_MAX_TOKENS = 4
+# weight reads cost little while few tokens share an expert (at
+# qwen3-30b-a3b dims, H100: 71.4 us at 8 tokens against 76.9 for the grouped
+# kernels, 111.6 against 114.1 at 16: benchmarks/RESULTS.md).
+MARLIN_DECODE_MAX_TOKENS = 8
 
 
 def _grouped_gemm(
