@@ -270,6 +270,17 @@ def bench(
     return row, sweep, str(default_decode_config(tokens, experts.w13.dtype))
 
 
+def uint4_weights(
+    experts: MarlinExperts | TritonExpertsW4A8,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """The experts' packed w13, its scales, w2, its scales; the group size."""
+    if isinstance(experts, MarlinExperts):
+        packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
+                  experts.w2_scales)  # fmt: skip
+        return packed, GROUP_SIZE
+    return (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale), W4_GROUP
+
+
 def sweep_uint4_tiles(
     experts: MarlinExperts | TritonExpertsW4A8,
     hidden: torch.Tensor,
@@ -278,13 +289,7 @@ def sweep_uint4_tiles(
     """:func:`sweep_tiles` for the uint4 decode kernels (W4A16, W4A8), the
     CUDA-core kernels' tiles and the tensor-core kernels'."""
     moe = experts.moe
-    if isinstance(experts, MarlinExperts):
-        packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
-                  experts.w2_scales)  # fmt: skip
-        group_size = GROUP_SIZE
-    else:
-        packed = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
-        group_size = W4_GROUP
+    packed, group_size = uint4_weights(experts)
     rows, dtype = ids[0].numel(), hidden.dtype
     weights = torch.rand(ids[0].shape, device=hidden.device)
     act = torch.empty(rows, moe.intermediate_size, device=hidden.device, dtype=dtype)
@@ -335,13 +340,7 @@ def sweep_grouped_tiles(
     """The grouped tensor-core kernels alone over a grid of tiles, each call
     on its own routing, sorted beforehand (the sort is not timed)."""
     moe = experts.moe
-    if isinstance(experts, MarlinExperts):
-        packed = (experts.w13_packed, experts.w13_scales, experts.w2_packed,
-                  experts.w2_scales)  # fmt: skip
-        group_size = GROUP_SIZE
-    else:
-        packed = (experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
-        group_size = W4_GROUP
+    packed, group_size = uint4_weights(experts)
     (rows, topk), dtype, device = ids[0].shape, hidden.dtype, hidden.device
     rows *= topk
     sorts = []
