@@ -55,7 +55,7 @@ GROUP_SIZE = 128  # scales per 128 input channels (QuantScheme.W4A16_UINT4)
 # Up to this many tokens the route-by-route decode kernels run: per-route
 # weight reads cost little while few tokens share an expert (at
 # qwen3-30b-a3b dims, H100: 71.4 us at 8 tokens against 76.9 for the grouped
-# kernels, 111.6 against 114.1 at 16: benchmarks/RESULTS.md).
+# kernels; at 16 the grouped ones win, 111.6 against 114.1: RESULTS.md).
 MARLIN_DECODE_MAX_TOKENS = 8
 
 
