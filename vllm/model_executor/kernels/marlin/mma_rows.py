@@ -1,7 +1,8 @@
 """The K loop of the tensor-core uint4 decode kernels (Gluon, NVIDIA sm_80
-and later), shared by the dense GEMM (:mod:`.gemv_mma`) and the MoE decode
-kernels (:mod:`.moe_decode_mma`): :func:`mma_rows` multiplies 16 weight rows
-a warp tile by up to two 8-row blocks of activations.
+and later), shared by the dense GEMM (:mod:`.gemv_mma`) and the MoE kernels
+(route by route, :mod:`.moe_decode_mma`; expert by expert,
+:mod:`.moe_grouped_mma`): :func:`mma_rows` multiplies 16 weight rows a warp
+tile by up to two 8-row blocks of activations.
 
 A weight costs half a LOP3 and under half a shift (the CUDA-core
 :mod:`.gemv`: 4.2 instructions, docs/marlin.md):
