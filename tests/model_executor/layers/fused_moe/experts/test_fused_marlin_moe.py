@@ -107,7 +107,7 @@ def check_moe(moe: FusedMoEConfig, tokens: int, device, tolerance: float) -> Non
 @pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
 @pytest.mark.parametrize("ep_size", [1, 4])
 @pytest.mark.parametrize("topk", [1, 2, 8])
-@pytest.mark.parametrize("tokens", [1, 7, 8, 64])  # 8: the decode path's last
+@pytest.mark.parametrize("tokens", [1, 8, 64])  # 8: the decode path's last
 def test_marlin_moe_cpu(
     workspace_init, monkeypatch, tokens: int, topk: int, ep_size: int, kernel: bool
 ):
