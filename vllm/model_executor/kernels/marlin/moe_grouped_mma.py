@@ -96,6 +96,18 @@ def _route_rows(row, end, ptr, perm_ptr, topk, stride, t, GATHER: gl.constexpr):
 
 
 @gluon.jit
+def _lanes(layout: gl.constexpr, K_SPLIT: gl.constexpr, ROW_TILES: gl.constexpr):
+    """A program's [K slice, row tile, lane] coordinates in ``layout``: the
+    slices [K_SPLIT, 1] and lanes [1, 32] (of the A-row layout, without the
+    tile dimension) and the row tiles [1, ROW_TILES, 1]."""
+    x_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]
+    rt = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    return ks, lane, rt[None, :, None]
+
+
+@gluon.jit
 def _grouped_gated_kernel(
     x_ptr,
     perm_ptr,  # int32 [R]: sorted row -> route (token * topk + slot)
@@ -131,15 +143,11 @@ def _grouped_gated_kernel(
         [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
         [2, 1, 0],
     )
-    x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     gluon_pdl_wait(PDL)  # the sort is the previous kernel's
     expert = gl.program_id(0)
     start = gl.load(offsets_ptr + expert).to(gl.int32)
     end = gl.load(offsets_ptr + expert + 1).to(gl.int32)
-    ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]
-    rt = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    rt = rt[None, :, None]
+    ks, lane, rt = _lanes(layout, K_SPLIT, ROW_TILES)
     g = lane // 4
     t = lane % 4
     # Rows g: gate column c, rows g + 8: its up column; columns past I
@@ -214,7 +222,6 @@ def _grouped_down_kernel(
         [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
         [2, 1, 0],
     )
-    x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     # The sort is two launches back: read before the PDL wait (pdl.py); the
     # first pass's first weights load before it too (in mma_rows).
     expert = gl.program_id(0)
@@ -222,10 +229,7 @@ def _grouped_down_kernel(
     end = gl.load(offsets_ptr + expert + 1).to(gl.int32)
     if start >= end:
         gluon_pdl_wait(PDL)  # release the next kernel, as every program does
-    ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]
-    rt = gl.arange(0, ROW_TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    rt = rt[None, :, None]
+    ks, lane, rt = _lanes(layout, K_SPLIT, ROW_TILES)
     g = lane // 4
     t = lane % 4
     # Output columns are the weight rows; past H they repeat the last.
