@@ -3,8 +3,10 @@
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -209,8 +211,9 @@ def compile_for_sm90(
     builds: list[tuple[triton.JITFunction, dict[str, object], dict[str, object]]],
 ) -> None:
     """Compiles each (kernel, host arguments, constexprs) for Hopper with 4
-    and 256 experts. Prints per build whether its PTX holds wgmma and its
-    shared memory bytes (run by :func:`compiled_in_own_process`)."""
+    and 256 experts. Prints per build whether its PTX holds wgmma, its
+    shared memory bytes and :func:`serialized_wgmmas` (run by
+    :func:`compiled_in_own_process`)."""
     # Triton internals: imported here, so that a move fails this test only.
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -231,7 +234,34 @@ def compile_for_sm90(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
         )
         wgmma = "wgmma.mma_async" in compiled.asm["ptx"]
-        print(COMPILED, json.dumps([wgmma, compiled.metadata.shared]))
+        serialized = serialized_wgmmas(compiled.asm["cubin"])
+        print(COMPILED, json.dumps([wgmma, compiled.metadata.shared, serialized]))
+
+
+def sass(cubin: bytes, option: str = "-sass") -> str:
+    """The SASS of ``cubin`` (or what ``option`` asks), by the cuobjdump
+    Triton ships."""
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = [str(cuobjdump), option, f.name]
+        return subprocess.run(run, capture_output=True, text=True, check=True).stdout
+
+
+def serialized_wgmmas(cubin: bytes) -> int:
+    """wgmmas that ``cubin`` waits for right after issuing them: ptxas does
+    that to every wgmma of a kernel whose code it cannot prove safe to
+    overlap (its C7514 info: an accumulator read while its wgmma may still
+    run), which Triton does not show."""
+    # Instruction lines read "/*0f30*/ OPCODE operands ;" (encodings follow).
+    found = (re.match(r"\s*/\*[0-9a-f]+\*/(.*);", x) for x in sass(cubin).splitlines())
+    lines = [match.group(1).strip() for match in found if match]
+    return sum(
+        a.startswith(("QGMMA", "HGMMA"))
+        for a, b in itertools.pairwise(lines)
+        if b == "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    )
 
 
 def cubin_for_sm90(

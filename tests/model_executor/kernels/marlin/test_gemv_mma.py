@@ -19,6 +19,7 @@ import torch
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
+    sass,
 )
 from tests.model_executor.kernels.marlin.test_gemm import _rel_err
 from tests.model_executor.kernels.marlin.test_gemv import (
@@ -99,34 +100,17 @@ def compile_kernels() -> None:
                 )
                 ab = "bf16" if dtype == "bf16" else "f16"
                 mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}"
-                sass = _sass(compiled.asm["cubin"])
-                before, _, after = sass.partition("ACQBULK")
+                code = sass(compiled.asm["cubin"])
+                before, _, after = code.partition("ACQBULK")
                 loads = [before.count("LDG.E.128"), after.count("LDG.E.128")]
                 mmas = compiled.asm["ptx"].count(mma)
                 print(COMPILED, json.dumps([cfg.tiles_per_warp, blocks, mmas, loads]))
 
 
-def _sass(cubin: bytes, option: str = "-sass") -> str:
-    """The SASS of ``cubin`` (or what ``option`` asks), by the cuobjdump
-    Triton ships."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        run = [str(cuobjdump), option, f.name]
-        return subprocess.run(run, capture_output=True, text=True, check=True).stdout
-
-
 def resources(cubin: bytes) -> dict[str, int]:
     """What a thread of ``cubin``'s kernel takes, by cuobjdump's names:
     ``REG`` registers, ``LOCAL`` and ``STACK`` bytes (spills)."""
-    usage = _sass(cubin, "-res-usage").split("REG:", 1)[1].splitlines()[0]
+    usage = sass(cubin, "-res-usage").split("REG:", 1)[1].splitlines()[0]
     fields = dict(field.split(":") for field in ("REG:" + usage).split())
     return {name: int(value) for name, value in fields.items() if value.isdigit()}
 

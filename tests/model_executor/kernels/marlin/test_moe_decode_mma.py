@@ -19,8 +19,8 @@ import torch
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
+    sass,
 )
-from tests.model_executor.kernels.marlin.test_gemv_mma import _sass
 from tests.model_executor.kernels.marlin.test_moe_decode import (
     POISON,
     _close,
@@ -119,8 +119,8 @@ def compile_kernels() -> None:
             )
             ab = "f16" if fp16 else "bf16"
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
-            sass = _sass(compiled.asm["cubin"])
-            before, _, after = sass.partition("ACQBULK")
+            code = sass(compiled.asm["cubin"])
+            before, _, after = code.partition("ACQBULK")
             loads = [before.count("LDG"), before.count("LDG.E.128")]
             loads.append(after.count("LDG.E.128"))
             print(COMPILED, json.dumps([kernel.__name__, mmas, loads]))

@@ -21,8 +21,9 @@ import torch
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     compiled_in_own_process,
+    sass,
 )
-from tests.model_executor.kernels.marlin.test_gemv_mma import _sass, resources
+from tests.model_executor.kernels.marlin.test_gemv_mma import resources
 from tests.model_executor.kernels.marlin.test_moe_decode import (
     POISON,
     _close,
@@ -168,7 +169,7 @@ def compile_kernels() -> None:
             )
             ab = "f16" if fp16 else "bf16"
             mmas = compiled.asm["ptx"].count(f"m16n8k16.row.col.f32.{ab}.{ab}")
-            before = _sass(compiled.asm["cubin"]).partition("ACQBULK")[0]
+            before = sass(compiled.asm["cubin"]).partition("ACQBULK")[0]
             usage = resources(compiled.asm["cubin"])
             spills = usage.get("LOCAL", 0) + usage.get("STACK", 0)
             print(
