@@ -69,7 +69,8 @@ BLOCK_N = gl.constexpr(256)
 K_BYTES = gl.constexpr(128)
 # 3 x 48 KiB of boxes + store staging (2 x 32 KiB; gated 2 x 16 KiB, or
 # 2 x 8 KiB for its fp8 output). W4A8: 3 x 32 KiB of boxes + 64 KiB of
-# unpacked weights + staging: the plain kernel leaves < 3 KiB of the 227.
+# unpacked weights + 2 KiB of their scale steps + staging: the plain kernel
+# leaves < 1 KiB of the 227.
 STAGES = gl.constexpr(3)
 SUB = gl.constexpr(64)  # rows per consumer warpgroup
 # Registers per thread: the consumers hold their accumulator (128) and

@@ -169,6 +169,12 @@ def _gated_consumer(
             tile, n_tiles, experts, starts, ends, tiles, tiles_end
         )
         first_row = row_start + HALF * SUB
+        # W4: the tile's first column's scale steps, its real columns, 2 * inter.
+        w4_steps = (
+            w_steps_ptr + expert * (K // BLOCK_K) * 2 * inter + n_tile * BLOCK_N,
+            2 * inter - n_tile * BLOCK_N,
+            2 * inter,
+        )
         if first_row < row_end:
             w_rows = n_tile * BLOCK_N + gl.arange(
                 0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout)
@@ -196,9 +202,7 @@ def _gated_consumer(
                     step,
                     K,
                     w4,
-                    w_steps_ptr + expert * (K // BLOCK_K) * 2 * inter + w_rows,
-                    w_rows < 2 * inter,
-                    2 * inter,
+                    w4_steps,
                     HALF,
                     True,
                 )
@@ -251,7 +255,7 @@ def _gated_consumer(
         elif not W4:
             step = _skip(ready, empty, step, K, BLOCK_K)
         else:
-            step = w4_skip(w_boxes, ready, empty, step, K, w4, BLOCK_K, HALF)
+            step = w4_skip(w_boxes, ready, empty, step, K, w4, w4_steps, BLOCK_K, HALF)
     tma.store_wait(0)
 
 

@@ -129,6 +129,12 @@ def _consumer(
             tile, n_tiles, experts, starts, ends, tiles, tiles_end
         )
         first_row = row_start + HALF * SUB
+        # W4: the tile's first column's scale steps, its real columns, N.
+        w4_steps = (
+            w_steps_ptr + expert * (K // BLOCK_K) * N + n_tile * BLOCK_N,
+            N - n_tile * BLOCK_N,
+            N,
+        )
         if first_row < row_end:
             rows = first_row + gl.arange(0, SUB, layout=gl.SliceLayout(1, acc_layout))
             row_ok = rows < row_end
@@ -158,9 +164,7 @@ def _consumer(
                     step,
                     K,
                     w4,
-                    w_steps_ptr + expert * (K // BLOCK_K) * N + cols,
-                    cols < N,
-                    N,
+                    w4_steps,
                     HALF,
                     False,
                 )
@@ -186,7 +190,7 @@ def _consumer(
         elif not W4:
             step = _skip(ready, empty, step, K, BLOCK_K)
         else:
-            step = w4_skip(w_boxes, ready, empty, step, K, w4, BLOCK_K, HALF)
+            step = w4_skip(w_boxes, ready, empty, step, K, w4, w4_steps, BLOCK_K, HALF)
     tma.store_wait(0)
 
 

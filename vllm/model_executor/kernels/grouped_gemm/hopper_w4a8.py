@@ -18,6 +18,8 @@ module adds what the consumers do with it:
   multiplies by the last group's scales as the fp8 kernels do by their
   channel scales. The ratios and each rescale round in fp32; scales must be
   finite and positive (:func:`~.w4a8.quantize_w4` never writes a zero).
+  A step's ratios travel with its unpacked box: the unpack loads them
+  (one column a thread) into a shared buffer beside it.
 """
 
 from __future__ import annotations
@@ -117,22 +119,31 @@ def _unpack(packed):
 
 
 @gluon.jit
-def _unpack_half(w_boxes, ready, w4, step, HALF: gl.constexpr):
+def _unpack_half(w_boxes, ready, w4, step, group, steps, HALF: gl.constexpr):
     """Unpacks this warpgroup's half of the weight box of ring step ``step``
-    into its unpacked buffer, once the box has landed and both warpgroups'
-    MMAs are done with the buffer."""
-    unpacked, uready, ufree = w4
+    into its unpacked buffer, and copies its half of the columns' scale
+    steps of K group ``group`` beside it, once the box has landed and both
+    warpgroups' MMAs are done with the buffer. ``steps``: (the tile's first
+    column's :func:`w4_scale_steps` at group 0, its real columns, N)."""
+    unpacked, ratios, uready, ufree = w4
+    tile_steps, cols_left, N = steps
     PACKED_K: gl.constexpr = w_boxes.shape[2]
     # 16 bytes per thread, a 64-byte row per 4 threads.
     layout: gl.constexpr = gl.BlockedLayout(
         [1, 16], [32 * 16 // PACKED_K, PACKED_K // 16], [4, 1], [1, 0]
     )
+    # One column per thread; loaded before the waits, which hide its latency.
+    cols = HALF * HALF_N + gl.arange(
+        0, HALF_N, layout=gl.BlockedLayout([1], [32], [4], [0])
+    )
+    ratio = gl.load(tile_steps + group * N + cols, mask=cols < cols_left, other=1.0)
     slot = step % STAGES
     buf = step % BUFFERS
     mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
     mbarrier.wait(ufree.index(buf), (step // BUFFERS) & 1)
     packed = w_boxes.index(slot).slice(HALF * HALF_N, HALF_N, dim=0).load(layout)
     unpacked.index(buf).slice(HALF * HALF_N, HALF_N, dim=0).store(_unpack(packed))
+    ratios.index(buf).slice(HALF * HALF_N, HALF_N).store(ratio)
     fence_async_shared()
     _barrier()  # every thread's stores before the warpgroup's one arrival
     mbarrier.arrive(uready.index(buf), count=1)
@@ -147,29 +158,31 @@ def w4_mainloop(
     step,
     K,
     w4,
-    col_steps,
-    col_ok,
-    N,
+    steps,
     HALF: gl.constexpr,
     GATHERED: gl.constexpr,
 ):
     """This warpgroup's 64 x BLOCK_N accumulator over K, in units of the
-    last group's channel scales, and the next ring step. ``col_steps``:
-    pointers to the tile's columns in :func:`w4_scale_steps`' steps of its
-    expert (group g at ``+ g * N``)."""
-    unpacked, uready, ufree = w4
+    last group's channel scales, and the next ring step. ``steps``: the
+    tile's scale steps as :func:`_unpack_half` takes them.
+
+    A step's ratios come from shared memory, where the unpack put them: a
+    load from global memory per step, 64 columns a thread, left each
+    rescale waiting on its latency (a quarter of the kernel's time at 8,192
+    tokens)."""
+    unpacked, ratios, uready, ufree = w4
     BLOCK_K: gl.constexpr = a_boxes.shape[2]
-    acc = gl.zeros((SUB, BLOCK_N), gl.float32, _acc_layout(a_boxes.dtype))
-    _unpack_half(w_boxes, ready, w4, step, HALF)
+    acc_layout: gl.constexpr = _acc_layout(a_boxes.dtype)
+    acc = gl.zeros((SUB, BLOCK_N), gl.float32, acc_layout)
+    _unpack_half(w_boxes, ready, w4, step, 0, steps, HALF)
     # No `prev = step` before the loop: Triton 3.6 and 3.9 then carry one
     # value for both, and the releases below would all go to the first slot.
     for k in range(0, K, BLOCK_K):
-        # Issued before the wait, which hides its latency (ones at k = 0).
-        ratio = gl.load(col_steps + (k // BLOCK_K) * N, mask=col_ok, other=1.0)
         mbarrier.wait(uready.index(step % BUFFERS), (step // BUFFERS) & 1)
         if GATHERED:  # cp.async wrote the A rows: order them before the MMA's reads
             fence_async_shared()
         if k > 0:
+            ratio = ratios.index(step % BUFFERS).load(gl.SliceLayout(0, acc_layout))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
             mbarrier.arrive(ufree.index((step - 1) % BUFFERS), count=1)
@@ -181,7 +194,7 @@ def w4_mainloop(
             is_async=True,
         )
         if k + BLOCK_K < K:  # the next box, while the MMA runs
-            _unpack_half(w_boxes, ready, w4, step + 1, HALF)
+            _unpack_half(w_boxes, ready, w4, step + 1, k // BLOCK_K + 1, steps, HALF)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # no wait
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -192,13 +205,22 @@ def w4_mainloop(
 
 @gluon.jit
 def w4_skip(
-    w_boxes, ready, empty, step, K, w4, BLOCK_K: gl.constexpr, HALF: gl.constexpr
+    w_boxes,
+    ready,
+    empty,
+    step,
+    K,
+    w4,
+    steps,
+    BLOCK_K: gl.constexpr,
+    HALF: gl.constexpr,
 ):
     """No rows in this warpgroup's half: it still unpacks its half of each
-    box for the other one, and releases what it never multiplies with."""
-    _, _, ufree = w4
-    for _ in range(0, K, BLOCK_K):
-        _unpack_half(w_boxes, ready, w4, step, HALF)
+    box (and its scale steps) for the other one, and releases what it never
+    multiplies with."""
+    ufree = w4[3]
+    for k in range(0, K, BLOCK_K):
+        _unpack_half(w_boxes, ready, w4, step, k // BLOCK_K, steps, HALF)
         mbarrier.arrive(ufree.index(step % BUFFERS), count=1)
         mbarrier.arrive(empty.index(step % STAGES), count=1)
         step += 1
@@ -207,13 +229,17 @@ def w4_skip(
 
 @gluon.jit
 def w4_buffers():
-    """The two unpacked weight boxes and their barriers, both buffers free."""
+    """The two unpacked weight boxes, their columns' scale steps, and their
+    barriers, both buffers free."""
     BLOCK_K: gl.constexpr = K_BYTES  # fp8 columns: one A box's K
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_N, BLOCK_K], gl.float8e4nv
     )
     unpacked = gl.allocate_shared_memory(
         gl.float8e4nv, [BUFFERS, BLOCK_N, BLOCK_K], layout
+    )
+    ratios = gl.allocate_shared_memory(
+        gl.float32, [BUFFERS, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0])
     )
     uready = gl.allocate_shared_memory(
         gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout()
@@ -223,4 +249,4 @@ def w4_buffers():
         mbarrier.init(uready.index(i), count=2)
         mbarrier.init(ufree.index(i), count=2)
         mbarrier.arrive(ufree.index(i), count=2)
-    return unpacked, uready, ufree
+    return unpacked, ratios, uready, ufree
