@@ -3,7 +3,6 @@
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -212,7 +211,7 @@ def compile_for_sm90(
 ) -> None:
     """Compiles each (kernel, host arguments, constexprs) for Hopper with 4
     and 256 experts. Prints per build whether its PTX holds wgmma, its
-    shared memory bytes and :func:`serialized_wgmmas` (run by
+    shared memory bytes and :func:`wgmmas_serialized` (run by
     :func:`compiled_in_own_process`)."""
     # Triton internals: imported here, so that a move fails this test only.
     from triton.backends.compiler import GPUTarget
@@ -234,7 +233,7 @@ def compile_for_sm90(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
         )
         wgmma = "wgmma.mma_async" in compiled.asm["ptx"]
-        serialized = serialized_wgmmas(compiled.asm["cubin"])
+        serialized = wgmmas_serialized(compiled.asm["ptx"])
         print(COMPILED, json.dumps([wgmma, compiled.metadata.shared, serialized]))
 
 
@@ -249,19 +248,25 @@ def sass(cubin: bytes, option: str = "-sass") -> str:
         return subprocess.run(run, capture_output=True, text=True, check=True).stdout
 
 
-def serialized_wgmmas(cubin: bytes) -> int:
-    """wgmmas that ``cubin`` waits for right after issuing them: ptxas does
-    that to every wgmma of a kernel whose code it cannot prove safe to
-    overlap (its C7514 info: an accumulator read while its wgmma may still
-    run), which Triton does not show."""
-    # Instruction lines read "/*0f30*/ OPCODE operands ;" (encodings follow).
-    found = (re.match(r"\s*/\*[0-9a-f]+\*/(.*);", x) for x in sass(cubin).splitlines())
-    lines = [match.group(1).strip() for match in found if match]
-    return sum(
-        a.startswith(("QGMMA", "HGMMA"))
-        for a, b in itertools.pairwise(lines)
-        if b == "WARPGROUP.DEPBAR.LE gsb0, 0x0"
-    )
+def wgmmas_serialized(ptx: str) -> bool:
+    """Whether ptxas serializes the wgmmas of ``ptx`` (sm_90a): it does so
+    to all of a kernel's where it cannot tell that an accumulator read
+    follows the wait that retired its MMA, saying so only in its info log,
+    which Triton does not show."""
+    # Triton internals: imported here, so that a move fails this test only.
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        run = [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(source)]
+        log = subprocess.run(
+            [*run, "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    return "wgmma.mma_async instructions are serialized" in log
 
 
 def cubin_for_sm90(

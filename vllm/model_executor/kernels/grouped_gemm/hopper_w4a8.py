@@ -123,7 +123,8 @@ def _unpack_half(w_boxes, ready, w4, step, group, steps, HALF: gl.constexpr):
     """Unpacks this warpgroup's half of the weight box of ring step ``step``
     into its unpacked buffer, and copies its half of the columns' scale
     steps of K group ``group`` beside it, once the box has landed and both
-    warpgroups' MMAs are done with the buffer. ``steps``: (the tile's first
+    warpgroups are done with the buffer (their rescales read its ratios
+    before the MMA that ``ufree`` waits for). ``steps``: (the tile's first
     column's :func:`w4_scale_steps` at group 0, its real columns, N)."""
     unpacked, ratios, uready, ufree = w4
     tile_steps, cols_left, N = steps
@@ -164,12 +165,9 @@ def w4_mainloop(
 ):
     """This warpgroup's 64 x BLOCK_N accumulator over K, in units of the
     last group's channel scales, and the next ring step. ``steps``: the
-    tile's scale steps as :func:`_unpack_half` takes them.
-
-    A step's ratios come from shared memory, where the unpack put them: a
-    load from global memory per step, 64 columns a thread, left each
-    rescale waiting on its latency (a quarter of the kernel's time at 8,192
-    tokens)."""
+    tile's scale steps as :func:`_unpack_half` takes them. A step's ratios
+    come from shared memory, where the unpack put them: read from global
+    memory (64 columns a thread), each rescale waited on their latency."""
     unpacked, ratios, uready, ufree = w4
     BLOCK_K: gl.constexpr = a_boxes.shape[2]
     acc_layout: gl.constexpr = _acc_layout(a_boxes.dtype)
