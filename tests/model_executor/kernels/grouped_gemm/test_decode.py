@@ -11,8 +11,8 @@ import torch
 
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
+    asm_for_sm90,
     compiled_in_own_process,
-    cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import resources
 from vllm.model_executor.kernels.common.fp8 import FP8_DTYPE, per_channel_quant_fp8
@@ -187,11 +187,11 @@ def compile_kernels() -> None:
     pointers = {"ids_ptr": "*i32", "map_ptr": "*i32", "w_ptr": "*fp8e4nv",
                 "w_scale_ptr": "*fp32", "topk_weights_ptr": "*fp32"}  # fmt: skip
     for kernel, consts in ((_decode_gated_kernel, gated), (_decode_down_kernel, down)):
-        cubin = cubin_for_sm90(
+        cubin = asm_for_sm90(
             kernel, consts, pointers,
             ("K", "inter", "hidden", "stride_x", "stride_act", "stride_out"),
             cfg.num_warps,
-        )  # fmt: skip
+        )["cubin"]  # fmt: skip
         usage = resources(cubin)
         print(COMPILED, json.dumps([usage[name] for name in ("REG", "LOCAL", "STACK")]))
 

@@ -269,17 +269,19 @@ def wgmmas_serialized(ptx: str) -> bool:
     return "wgmma.mma_async instructions are serialized" in log
 
 
-def cubin_for_sm90(
+def asm_for_sm90(
     kernel: triton.JITFunction,
     consts: Mapping[str, object],
     pointers: Mapping[str, str],
     aligned: tuple[str, ...],
     num_warps: int,
-) -> bytes:
-    """``kernel`` (plain Triton) built for Hopper: its other arguments are
-    pointers (``*bf16`` unless ``pointers`` names their type) and int32
-    scalars; the pointers and the scalars named in ``aligned`` 16-byte
-    divisible, as a launch at model sizes specializes them."""
+    num_stages: int = 3,
+) -> dict[str, Any]:
+    """``kernel`` (plain Triton) built for Hopper, its code by kind ("ptx",
+    "cubin", ...): its other arguments are pointers (``*bf16`` unless
+    ``pointers`` names their type) and int32 scalars; the pointers and the
+    scalars named in ``aligned`` 16-byte divisible, as a launch at model
+    sizes specializes them."""
     # Triton internals: imported here, so that a move fails this test only.
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -295,10 +297,9 @@ def cubin_for_sm90(
         if a.endswith("_ptr") or a in aligned
     }
     source = ASTSource(kernel, signature, constexprs=dict(consts), attrs=divisible)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-    )
-    return compiled.asm["cubin"]
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm
 
 
 def compiled_in_own_process(module: str) -> list[tuple[Any, ...]]:

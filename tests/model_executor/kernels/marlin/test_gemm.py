@@ -7,10 +7,17 @@ CPU runs go through TRITON_INTERPRET (set by tests/conftest.py) at tiny sizes;
 """
 
 import functools
+import json
 
 import pytest
 import torch
 
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    asm_for_sm90,
+    compiled_in_own_process,
+    wgmmas_serialized,
+)
 from vllm.model_executor.kernels.marlin import (
     MAX_GROUPED_EXPERTS,
     MarlinConfig,
@@ -21,6 +28,8 @@ from vllm.model_executor.kernels.marlin import (
     quantize_weights,
     repack_weights,
 )
+from vllm.model_executor.kernels.marlin.config import TILE_K, _tile_for_m
+from vllm.model_executor.kernels.marlin.kernels import _marlin_gemm_grouped_kernel
 
 SENTINEL = 7.0  # untouched output rows of the grouped GEMM keep it
 
@@ -379,6 +388,42 @@ def test_grouped_bad_inputs_raise(device: torch.device) -> None:
         gemm(a, packed, scales, offsets, locks, out=torch.empty_like(a))
     with pytest.raises(ValueError, match="config"):
         gemm(a, packed, scales, offsets, locks, config=MarlinConfig(16, 64, 16, 4, 2))
+
+
+# -- grouped: the Hopper build ----------------------------------------------------
+
+MODULE = "tests.model_executor.kernels.marlin.test_gemm"
+M_RANGES = (16, 32, 64, 256, 1024)  # rows per expert: one per tile of _tile_for_m
+
+
+def compile_kernels() -> None:
+    """The grouped kernel built for Hopper with each M range's tiles (run in
+    a process of its own by the test below)."""
+    for m in M_RANGES:
+        block_m, block_n, warps, stages, _ = _tile_for_m(m)
+        consts = {
+            "NUM_EXPERTS": 128, "BLOCK_E": 128, "GROUP_SIZE": 128,
+            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": TILE_K,
+            "SPLIT_K": 1, "IS_BF16": True, "F32_MATH": False,
+        }  # fmt: skip
+        pointers = {"b_ptr": "*i32", "lock_ptr": "*i32", "offsets_ptr": "*i64"}
+        strides = ("stride_am", "stride_bn", "stride_be", "stride_se", "stride_cm")
+        aligned = ("N", "K", *strides)
+        kernel = _marlin_gemm_grouped_kernel
+        ptx = asm_for_sm90(kernel, consts, pointers, aligned, warps, stages)["ptx"]
+        wgmma = "wgmma.mma_async" in ptx
+        print(COMPILED, json.dumps([block_m, wgmma, wgmmas_serialized(ptx)]))
+
+
+def test_grouped_kernel_overlaps_its_wgmmas_on_sm90() -> None:
+    """At every M range's tiles the Hopper build multiplies on wgmma and
+    ptxas overlaps them: while the K loop had a zero-trip path (before
+    ``tl.assume``), ptxas serialized those of the 4-warp tiles."""
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == len(M_RANGES)
+    for block_m, has_wgmma, serialized in builds:
+        assert has_wgmma, block_m
+        assert not serialized, block_m
 
 
 # -- grouped GPU: model sizes ----------------------------------------------------

@@ -17,8 +17,8 @@ import torch
 
 from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
+    asm_for_sm90,
     compiled_in_own_process,
-    cubin_for_sm90,
 )
 from tests.model_executor.kernels.marlin.test_gemv_mma import resources
 from vllm.model_executor.kernels.common.topk_softmax import top_routes_reference
@@ -334,12 +334,12 @@ def compile_kernels() -> None:
         (_gated_kernel, gated, cfg.gated_warps),
         (_down_sum_kernel, down, cfg.down_warps),
     ):
-        cubin = cubin_for_sm90(
+        cubin = asm_for_sm90(
             kernel, consts, pointers,
             ("K", "inter", "hidden", "stride_x", "stride_act", "stride_we",
              "stride_se"),
             warps,
-        )  # fmt: skip
+        )["cubin"]  # fmt: skip
         usage = resources(cubin)
         print(COMPILED, json.dumps([usage[name] for name in ("REG", "LOCAL", "STACK")]))
 

@@ -68,6 +68,10 @@ def _dequant_mma(
         + rm.to(tl.int64)[None, :] * stride_am
         + (k_iter0 * BLOCK_K + offs_k)[:, None]
     )
+    # Every slice has K steps (the launchers check it). Without the hint the
+    # loop's zero-trip path zeroes the accumulator on its own, and ptxas
+    # serializes every wgmma of the 4-warp tiles (Triton 3.6 and 3.9).
+    tl.assume(iters > 0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(iters):
         packed = tl.load(
