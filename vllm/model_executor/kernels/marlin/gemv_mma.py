@@ -29,6 +29,7 @@ from vllm.model_executor.kernels.marlin.mma_rows import (
     mma_rows,
     rows_aligned,
     runs_mma,
+    warp_tiles,
 )
 
 _TILE_K = gl.constexpr(TILE_K)
@@ -105,12 +106,7 @@ def _mma_gemv_kernel(
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, TILES_PER_WARP, 1],
-        [1, 1, 32],
-        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-        [2, 1, 0],
-    )
+    layout: gl.constexpr = warp_tiles(K_SPLIT, ROW_TILES, TILES_PER_WARP)
     x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     ks = gl.arange(0, K_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]

@@ -84,6 +84,19 @@ def check_warp_tiles(config: object, names: tuple[str, str, str]) -> None:
         )
 
 
+@gluon.constexpr_function
+def warp_tiles(slices: int, row_tiles: int, tiles_per_warp: int) -> gl.BlockedLayout:
+    """A program's [slice, row tile, lane] layout: the warps split into
+    ``slices`` (of K, or of routes), each warp holding ``tiles_per_warp`` of
+    the ``row_tiles`` 16-row tiles, a lane each of its 32."""
+    return gl.BlockedLayout(
+        [1, tiles_per_warp, 1],
+        [1, 1, 32],
+        [slices, row_tiles // tiles_per_warp, 1],
+        [2, 1, 0],
+    )
+
+
 # One word -> its four pairs, nibbles (i, i + 4) in pair i, as the 16-bit
 # pattern MAGIC ORed with q at a bit position where it reads MAGIC + UNIT q
 # exactly. The sum then carries an offset -(MAGIC + 8 UNIT) per weight that

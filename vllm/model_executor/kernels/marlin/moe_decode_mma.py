@@ -60,6 +60,7 @@ from vllm.model_executor.kernels.marlin.mma_rows import (
     mma_rows,
     rows_aligned,
     runs_mma,
+    warp_tiles,
 )
 
 _TILE_K = gl.constexpr(TILE_K)
@@ -195,12 +196,7 @@ def _gated_mma_kernel(
     ROUTED: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, TILES_PER_WARP, 1],
-        [1, 1, 32],
-        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-        [2, 1, 0],
-    )
+    layout: gl.constexpr = warp_tiles(K_SPLIT, ROW_TILES, TILES_PER_WARP)
     x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     gluon_pdl_wait(PDL)  # the routing (or the router's logits) is the previous kernel's
     route = gl.program_id(0)
@@ -372,12 +368,7 @@ def _down_sum_mma_kernel(
     BLOCK_R: gl.constexpr,  # topk rounded up to a power of two
 ):
     token = gl.program_id(0)
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, TILES_PER_WARP, 1],
-        [1, 1, 32],
-        [ROUTE_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-        [2, 1, 0],
-    )
+    layout: gl.constexpr = warp_tiles(ROUTE_SPLIT, ROW_TILES, TILES_PER_WARP)
     x_layout: gl.constexpr = gl.SliceLayout(1, layout)
     rs = gl.arange(0, ROUTE_SPLIT, layout=gl.SliceLayout(1, x_layout))[:, None]
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, x_layout))[None, :]

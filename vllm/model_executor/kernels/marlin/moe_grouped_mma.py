@@ -55,6 +55,7 @@ from vllm.model_executor.kernels.marlin.mma_rows import (
     mma_rows,
     rows_aligned,
     runs_mma,
+    warp_tiles,
 )
 from vllm.model_executor.kernels.marlin.moe_decode import check_uint4_experts
 
@@ -137,12 +138,7 @@ def _grouped_gated_kernel(
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, TILES_PER_WARP, 1],
-        [1, 1, 32],
-        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-        [2, 1, 0],
-    )
+    layout: gl.constexpr = warp_tiles(K_SPLIT, ROW_TILES, TILES_PER_WARP)
     gluon_pdl_wait(PDL)  # the sort is the previous kernel's
     expert = gl.program_id(0)
     start = gl.load(offsets_ptr + expert).to(gl.int32)
@@ -216,12 +212,7 @@ def _grouped_down_kernel(
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    layout: gl.constexpr = gl.BlockedLayout(
-        [1, TILES_PER_WARP, 1],
-        [1, 1, 32],
-        [K_SPLIT, ROW_TILES // TILES_PER_WARP, 1],
-        [2, 1, 0],
-    )
+    layout: gl.constexpr = warp_tiles(K_SPLIT, ROW_TILES, TILES_PER_WARP)
     # The sort is two launches back: read before the PDL wait (pdl.py); the
     # first pass's first weights load before it too (in mma_rows).
     expert = gl.program_id(0)
