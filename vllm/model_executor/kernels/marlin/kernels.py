@@ -70,7 +70,8 @@ def _dequant_mma(
     )
     # Every slice has K steps (the launchers check it). Without the hint the
     # loop's zero-trip path zeroes the accumulator on its own, and ptxas
-    # serializes every wgmma of the 4-warp tiles (Triton 3.6 and 3.9).
+    # serializes every wgmma of the 4-warp tiles without split-K (Triton 3.6
+    # and 3.9).
     tl.assume(iters > 0)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(iters):
