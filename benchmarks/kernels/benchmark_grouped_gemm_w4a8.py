@@ -34,7 +34,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     grouped_gemm_fp8,
     grouped_gemm_fp8_gated,
 )
-from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
+from vllm.model_executor.kernels.grouped_gemm.hopper_uint4 import w4_scale_steps
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     grouped_gemm_w4a8,
     grouped_gemm_w4a8_gated,

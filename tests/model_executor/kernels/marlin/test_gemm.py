@@ -16,6 +16,7 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     COMPILED,
     asm_for_sm90,
     compiled_in_own_process,
+    needs_hopper,
     wgmmas_serialized,
 )
 from vllm.model_executor.kernels.marlin import (
@@ -28,6 +29,7 @@ from vllm.model_executor.kernels.marlin import (
     quantize_weights,
     repack_weights,
 )
+from vllm.model_executor.kernels.marlin import gemm as gemm_module
 from vllm.model_executor.kernels.marlin.config import TILE_K, _tile_for_m
 from vllm.model_executor.kernels.marlin.kernels import _marlin_gemm_grouped_kernel
 
@@ -444,6 +446,41 @@ def test_gpu_grouped_model_sizes(rows: int, experts: int, n: int, k: int) -> Non
     gen = torch.Generator().manual_seed(rows + experts)
     counts = _routed_counts(rows - rows // 8, experts, gen)
     _check(rows, counts, n, k, 128, torch.bfloat16, torch.device("cuda"), calls=2)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "rows,experts,n,k",
+    [
+        (1, 8, 256, 128),
+        (300, 8, 264, 256),
+        (2048, 16, 1536, 2048),
+        (4096, 128, 2048, 768),
+    ],
+    ids=str,
+)
+def test_gpu_grouped_hopper_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+    rows: int,
+    experts: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+) -> None:
+    """The warp-specialized Hopper kernel (every row count takes it here):
+    one row, a partial N tile (264), one to sixteen groups along K, skewed
+    routing with empty experts, both 16-bit dtypes; its weights round as the
+    reference's, so only the output's rounding is left."""
+    monkeypatch.setattr(gemm_module, "HOPPER_MIN_ROWS_PER_EXPERT", 0)
+    device = torch.device("cuda")
+    out = torch.empty(rows, n, dtype=dtype, device=device)
+    assert gemm_module._takes_hopper(out, experts, 128, out)
+    gen = torch.Generator().manual_seed(rows + experts)
+    counts = _routed_counts(rows - rows // 8, experts, gen)
+    tolerance = 5e-3 if dtype == torch.bfloat16 else 1e-3
+    _check(rows, counts, n, k, 128, dtype, device, calls=2, tolerance=tolerance)
 
 
 @pytest.mark.gpu

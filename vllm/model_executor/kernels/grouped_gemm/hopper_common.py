@@ -265,8 +265,6 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
-def k_box(t: torch.Tensor, rows: int, packed: bool = False) -> TensorDescriptor:
-    """A ring box of ``rows`` rows of operand ``t`` [*, K]: K_BYTES of K, or
-    for ``packed`` uint4 weights (two K columns per byte) the half that
-    pairs with an fp8 A box."""
-    return descriptor(t, [rows, K_BYTES.value // t.element_size() // (1 + packed)])
+def k_box(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A ring box of ``rows`` rows of operand ``t`` [*, K]: K_BYTES of K."""
+    return descriptor(t, [rows, K_BYTES.value // t.element_size()])

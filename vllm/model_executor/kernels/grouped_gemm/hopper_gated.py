@@ -34,6 +34,7 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     BLOCK_N,
     CONSUMER_REGS,
     GATHER_WARPS,
+    GROUP,
     K_BYTES,
     LOADER_REGS,
     STAGES,
@@ -55,7 +56,8 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     descriptor,
     k_box,
 )
-from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import (
+from vllm.model_executor.kernels.grouped_gemm.hopper_uint4 import (
+    packed_box,
     w4_buffers,
     w4_mainloop,
     w4_skip,
@@ -156,7 +158,7 @@ def _gated_consumer(
     ) = shared
     BLOCK_K: gl.constexpr = a_boxes.shape[2]
     OUT_N: gl.constexpr = BLOCK_N // 2  # gate and up columns interleaved
-    acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
+    acc_layout: gl.constexpr = _acc_layout(a_boxes.dtype)
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, OUT_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
@@ -171,7 +173,7 @@ def _gated_consumer(
         first_row = row_start + HALF * SUB
         # W4: the tile's first column's scale steps, its real columns, 2 * inter.
         w4_steps = (
-            w_steps_ptr + expert * (K // BLOCK_K) * 2 * inter + n_tile * BLOCK_N,
+            w_steps_ptr + expert * (K // GROUP) * 2 * inter + n_tile * BLOCK_N,
             2 * inter - n_tile * BLOCK_N,
             2 * inter,
         )
@@ -206,7 +208,7 @@ def _gated_consumer(
                     HALF,
                     True,
                 )
-            if _scaled(w_boxes.dtype):
+            if _scaled(a_boxes.dtype):
                 rows = first_row + gl.arange(
                     0, SUB, layout=gl.SliceLayout(1, acc_layout)
                 )
@@ -292,7 +294,7 @@ def _grouped_gemm_gated_warp_specialized_kernel(
         a_dtype, a_layout, w_desc, GATHER_WARPS * 32 + 1
     )
     # warp_specialize takes no None: without W4 the tuple is never read.
-    w4 = w4_buffers() if W4 else (w_boxes, ready, empty)
+    w4 = w4_buffers(a_dtype) if W4 else (w_boxes, ready, empty)
     shared = (  # the consumers' arguments, but for their half
         a_scale_ptr,
         src_routes_ptr,
@@ -368,7 +370,9 @@ def launch_gated(
         a,
         out if a_scale is None else a_scale,  # scales are never read for 16 bits
         src_routes,
-        k_box(w13.view(num_experts * w_n, -1), BLOCK_N.value, w13_steps is not None),
+        packed_box(w13.view(num_experts * w_n, -1), a)
+        if w13_steps is not None
+        else k_box(w13.view(num_experts * w_n, -1), BLOCK_N.value),
         out if w13_scale is None else w13_scale,
         out if w13_steps is None else w13_steps,
         expert_first_token_offset,

@@ -23,6 +23,7 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     BLOCK_M,
     BLOCK_N,
     CONSUMER_REGS,
+    GROUP,
     LOADER_REGS,
     STAGES,
     SUB,
@@ -41,7 +42,8 @@ from vllm.model_executor.kernels.grouped_gemm.hopper_common import (
     descriptor,
     k_box,
 )
-from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import (
+from vllm.model_executor.kernels.grouped_gemm.hopper_uint4 import (
+    packed_box,
     w4_buffers,
     w4_mainloop,
     w4_skip,
@@ -117,7 +119,7 @@ def _consumer(
         empty,
     ) = shared
     BLOCK_K: gl.constexpr = a_boxes.shape[2]
-    acc_layout: gl.constexpr = _acc_layout(w_boxes.dtype)
+    acc_layout: gl.constexpr = _acc_layout(a_boxes.dtype)
     staging = gl.allocate_shared_memory(out_desc.dtype, [SUB, BLOCK_N], out_desc.layout)
     experts, starts, ends, tiles, tiles_end = _expert_tiles(
         offsets_ptr, num_experts, BLOCK_E, 4
@@ -131,7 +133,7 @@ def _consumer(
         first_row = row_start + HALF * SUB
         # W4: the tile's first column's scale steps, its real columns, N.
         w4_steps = (
-            w_steps_ptr + expert * (K // BLOCK_K) * N + n_tile * BLOCK_N,
+            w_steps_ptr + expert * (K // GROUP) * N + n_tile * BLOCK_N,
             N - n_tile * BLOCK_N,
             N,
         )
@@ -168,7 +170,7 @@ def _consumer(
                     HALF,
                     False,
                 )
-            if _scaled(w_boxes.dtype):
+            if _scaled(a_boxes.dtype):
                 if not GROUPED:
                     a_scale = gl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
                 w_scale = gl.load(
@@ -216,7 +218,7 @@ def _grouped_gemm_warp_specialized_kernel(
         a_desc.dtype, gl.constexpr(a_desc.layout), w_desc, 1
     )
     # warp_specialize takes no None: without W4 the tuple is never read.
-    w4 = w4_buffers() if W4 else (w_boxes, ready, empty)
+    w4 = w4_buffers(a_desc.dtype) if W4 else (w_boxes, ready, empty)
     # The consumers' arguments, but for their half (Gluon cannot concatenate
     # tuples in warp_specialize's argument lists).
     shared = (
@@ -271,15 +273,17 @@ def launch(
     w_steps: torch.Tensor | None = None,
 ) -> None:
     """Runs the kernel on arguments :func:`~.api.grouped_gemm` (or
-    :func:`~.w4a8.grouped_gemm_w4a8`) has checked (shapes, dtypes, TMA
-    alignment of ``a`` and ``w``) and :func:`~.dispatch.hopper_supports`
-    accepts. fp8 operands come with scales (a 2-D ``a_scale``
-    [R, act_groups(K)] holds per-group row scales), 16-bit ones with
-    ``None``. With ``w_steps``, ``w`` holds packed uint4 weights and
-    ``w_steps`` / ``w_scale`` are :func:`~.hopper_w4a8.w4_scale_steps` of
-    their scales."""
+    :func:`~.w4a8.grouped_gemm_w4a8`, :func:`~..marlin.gemm.marlin_gemm_grouped`)
+    has checked (shapes, dtypes, TMA alignment of ``a`` and ``w``) and
+    :func:`~.dispatch.hopper_supports` accepts. fp8 operands come with scales
+    (a 2-D ``a_scale`` [R, act_groups(K)] holds per-group row scales), 16-bit
+    ones with ``None``. With ``w_steps``, ``w`` [E, N, K // 2] holds packed
+    uint4 weights (any dtype: its bytes), and ``w_steps`` are, with fp8
+    ``a``, ``w_scale``'s :func:`~.hopper_uint4.w4_scale_steps`, or with
+    16-bit ``a`` the Marlin group scales [E, K // 128, N] (no ``w_scale``)."""
     assert (a_scale is None) == (w_scale is None) == (a.element_size() == 2)
     num_experts, n, k = *w.shape[:2], a.shape[1]
+    w = w.view(num_experts * n, -1)
     grouped = a_scale is not None and a_scale.dim() == 2
     groups = a_scale.shape[1] if a_scale is not None and grouped else 1
     programs = persistent_programs(
@@ -287,7 +291,9 @@ def launch(
     )
     _grouped_gemm_warp_specialized_kernel[(programs,)](
         k_box(a, BLOCK_M.value),
-        k_box(w.view(num_experts * n, -1), BLOCK_N.value, w_steps is not None),
+        k_box(w, BLOCK_N.value)
+        if w_steps is None
+        else packed_box(w.view(torch.uint8), a),
         out if a_scale is None else a_scale,  # scales are never read for 16 bits
         out if w_scale is None else w_scale,
         out if w_steps is None else w_steps,

@@ -18,9 +18,9 @@ interleaved, and the program writes ``act(gate, up)`` [R, I]. Both are
 persistent with grids that depend only on the row count (CUDA-graph
 capturable); rows at or past ``offsets[E]`` are not written.
 
-On Hopper, given the scales' :func:`~.hopper_w4a8.w4_scale_steps`
+On Hopper, given the scales' :func:`~.hopper_uint4.w4_scale_steps`
 (computed once with the weights), both GEMMs run the warp-specialized
-Gluon kernels instead (:mod:`.hopper_w4a8`), which multiply in 128-row
+Gluon kernels instead (:mod:`.hopper_uint4`), which multiply in 128-row
 tiles.
 
 Every call checks its arguments before any launch. The expert offsets and
@@ -312,7 +312,7 @@ def grouped_gemm_w4a8(
     [R, N] (bf16 or fp16) from fp8 ``a`` [R, K] with ``a_scale`` [R] and
     :func:`quantize_w4` weights ``w`` [E, N, K / 2] with ``w_scale``
     [E, N, K / 128]; returns ``out``. ``config``'s block_k is the group.
-    With ``scale_steps`` (:func:`~.hopper_w4a8.w4_scale_steps` of
+    With ``scale_steps`` (:func:`~.hopper_uint4.w4_scale_steps` of
     ``w_scale``), no ``config`` and a call the Hopper kernel supports, the
     Hopper kernel runs it."""
     experts, n, k = _check_weights("w", w, w_scale, a)

@@ -47,7 +47,7 @@ from vllm.model_executor.kernels.grouped_gemm import (
     deinterleave_gate_up,
     interleave_gate_up,
 )
-from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
+from vllm.model_executor.kernels.grouped_gemm.hopper_uint4 import w4_scale_steps
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     W4_GROUP,
     dequantize_w4,

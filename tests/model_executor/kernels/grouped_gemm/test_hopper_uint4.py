@@ -26,8 +26,9 @@ from vllm.model_executor.kernels.grouped_gemm import (
     hopper_common,
     hopper_gated,
     hopper_plain,
+    hopper_uint4,
 )
-from vllm.model_executor.kernels.grouped_gemm.hopper_w4a8 import w4_scale_steps
+from vllm.model_executor.kernels.grouped_gemm.hopper_uint4 import w4_scale_steps
 from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     W4_GROUP,
     grouped_gemm_w4a8,
@@ -59,19 +60,25 @@ def test_scale_steps_carry_the_group_scales():
     )
 
 
-def kernel_args() -> tuple[dict[str, object], dict[str, object]]:
-    """Host arguments of the plain and the gated kernel for packed weights,
-    as the launchers pass them."""
+def kernel_args(
+    a_dtype: torch.dtype = FP8_DTYPE,
+) -> tuple[dict[str, object], dict[str, object]]:
+    """Host arguments of the plain and the gated kernel for packed weights
+    and A of ``a_dtype``, as the launchers pass them."""
     rows, experts, n, k, topk = 256, 4, 512, 256, 2
-    a = torch.empty(rows, k, dtype=FP8_DTYPE)
+    a = torch.empty(rows, k, dtype=a_dtype)
     w = torch.empty(experts * n, k // 2, dtype=torch.uint8)
-    box = hopper_common.k_box(w, hopper_common.BLOCK_N.value, packed=True)
+    box = hopper_uint4.packed_box(w, a)
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     act = torch.empty(rows, n // 2, dtype=torch.bfloat16)
     sub, block_n = hopper_common.SUB.value, hopper_common.BLOCK_N.value
     scales = {
         "w_scale_ptr": torch.empty(experts * n),
-        "w_steps_ptr": torch.empty(experts * n * k // W4_GROUP),
+        # W4A8's scale steps, or W4A16's scales
+        "w_steps_ptr": torch.empty(
+            experts * n * k // W4_GROUP,
+            dtype=torch.float32 if a_dtype == FP8_DTYPE else a_dtype,
+        ),
     }
     plain = {
         "a_desc": hopper_common.k_box(a, hopper_common.BLOCK_M.value),
@@ -105,14 +112,20 @@ def kernel_args() -> tuple[dict[str, object], dict[str, object]]:
 
 
 def compile_kernels() -> None:
-    """Both kernels with packed weights (run in a process of its own by the
-    test below)."""
+    """Both kernels with packed weights and fp8 A, and the plain one with
+    bf16 A (W4A16; run in a process of its own by the test below)."""
     plain, gated = kernel_args()
+    plain_16 = kernel_args(torch.bfloat16)[0]
     compile_for_sm90(
         [
             (
                 hopper_plain._grouped_gemm_warp_specialized_kernel,
                 plain,
+                {"GROUPED": False, "W4": True},
+            ),
+            (
+                hopper_plain._grouped_gemm_warp_specialized_kernel,
+                plain_16,
                 {"GROUPED": False, "W4": True},
             ),
             (
@@ -125,12 +138,12 @@ def compile_kernels() -> None:
 
 
 def test_compiles_for_sm90_without_a_gpu():
-    """Both build for Hopper with the installed Triton, fit the shared
+    """All three build for Hopper with the installed Triton, fit the shared
     memory of a block (the unpacked double buffer beside the ring), and
     ptxas leaves their wgmmas overlapped."""
-    module = "tests.model_executor.kernels.grouped_gemm.test_hopper_w4a8"
+    module = "tests.model_executor.kernels.grouped_gemm.test_hopper_uint4"
     builds = compiled_in_own_process(module)
-    assert len(builds) == 4
+    assert len(builds) == 6
     for has_wgmma, shared, serialized in builds:
         assert has_wgmma
         assert 0 < shared <= H200_SHARED_BYTES
