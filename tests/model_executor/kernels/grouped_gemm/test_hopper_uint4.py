@@ -1,6 +1,7 @@
-"""The W4A8 Hopper kernels: the carried rescaling on the CPU, both kernels
-built for sm90 without a GPU, and launched (an H200) through the W4A8
-launchers against the references."""
+"""The Hopper kernels with packed uint4 weights: W4A8's carried rescaling
+on the CPU, the builds for sm90 without a GPU (W4A8 plain and gated, W4A16
+plain), and launches against the references (W4A8 through its launchers,
+W4A16 through the plain kernel's)."""
 
 import itertools
 
@@ -36,6 +37,11 @@ from vllm.model_executor.kernels.grouped_gemm.w4a8 import (
     grouped_gemm_w4a8_gated_reference,
     grouped_gemm_w4a8_reference,
     quantize_w4,
+)
+from vllm.model_executor.kernels.marlin.packing import (
+    dequantize_weights,
+    quantize_weights,
+    repack_weights,
 )
 
 
@@ -233,6 +239,40 @@ def test_plain_matches_reference(counts, n, k):
     grouped_gemm_w4a8_reference(a_abs, a_scale, w_abs, w_scale, offsets, terms)
     written = sum(counts)
     _within(out[:written], ref[:written], MMA_ERROR * terms[:written].float())
+    assert bool((out[written:] == POISON).all())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@EXPERT_COUNTS
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(512, 256), (264, 384)], ids=str)
+def test_plain_w4a16_matches_reference(counts, n, k, dtype):
+    """W4A16 on the plain kernel: Marlin's words unpacked to ``(q - 8) *
+    scale`` as the reference rounds them, so each element is off by its
+    output's rounding only; halves full, partial or empty, a partial N tile
+    (264), three groups of two K steps; rows past the last expert's end
+    stay untouched."""
+    torch.manual_seed(sum(counts) + n + k)
+    rows = sum(counts) + 17
+    a = torch.randn(rows, k, device="cuda").to(dtype)
+    quantized = [
+        quantize_weights(torch.randn(n, k, device="cuda"), W4_GROUP) for _ in counts
+    ]
+    packed = torch.stack([repack_weights(q) for q, _ in quantized])
+    scales = torch.stack([s.to(dtype) for _, s in quantized])
+    offsets = torch.tensor([0, *counts], device="cuda").cumsum(0)
+    out = torch.full((rows, n), POISON, device="cuda", dtype=dtype)
+    hopper_plain.launch(a, None, packed, None, offsets, out, w_steps=scales)
+    bounds = offsets.tolist()
+    ref = torch.cat(
+        [
+            a[lo:hi].float() @ dequantize_weights(w, s, W4_GROUP).float().t()
+            for w, s, lo, hi in zip(packed, scales, bounds, bounds[1:], strict=False)
+        ]
+    )
+    written = sum(counts)
+    torch.testing.assert_close(out[:written].float(), ref, rtol=2**-7, atol=1e-3)
     assert bool((out[written:] == POISON).all())
 
 

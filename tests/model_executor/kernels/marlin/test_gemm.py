@@ -19,6 +19,7 @@ from tests.model_executor.kernels.grouped_gemm.utils import (
     needs_hopper,
     wgmmas_serialized,
 )
+from vllm.model_executor.kernels.grouped_gemm import hopper_plain
 from vllm.model_executor.kernels.marlin import (
     MAX_GROUPED_EXPERTS,
     MarlinConfig,
@@ -440,9 +441,16 @@ def _routed_counts(rows: int, experts: int, gen: torch.Generator) -> list[int]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["default", "triton"])
 @pytest.mark.parametrize("rows", [1, 8, 56, 512, 8192])
 @pytest.mark.parametrize("experts,n,k", [(8, 1536, 2048), (32, 2048, 768)])
-def test_gpu_grouped_model_sizes(rows: int, experts: int, n: int, k: int) -> None:
+def test_gpu_grouped_model_sizes(
+    monkeypatch: pytest.MonkeyPatch, rows: int, experts: int, n: int, k: int, path: str
+) -> None:
+    """The default path, and the Triton kernel's large-M tiles, which
+    Hopper GPUs no longer take by default."""
+    if path == "triton":
+        monkeypatch.setattr(gemm_module, "HOPPER_MIN_ROWS_PER_EXPERT", 1 << 40)
     gen = torch.Generator().manual_seed(rows + experts)
     counts = _routed_counts(rows - rows // 8, experts, gen)
     _check(rows, counts, n, k, 128, torch.bfloat16, torch.device("cuda"), calls=2)
@@ -469,25 +477,50 @@ def test_gpu_grouped_hopper_kernel(
     k: int,
     dtype: torch.dtype,
 ) -> None:
-    """The warp-specialized Hopper kernel (every row count takes it here):
-    one row, a partial N tile (264), one to sixteen groups along K, skewed
-    routing with empty experts, both 16-bit dtypes; its weights round as the
-    reference's, so only the output's rounding is left."""
+    """The warp-specialized Hopper kernel (every row count takes it here,
+    and each call did): one row, a partial N tile (264), one to sixteen
+    groups along K, skewed routing with empty experts, both 16-bit dtypes;
+    its weights round as the reference's, so only the output's rounding is
+    left."""
     monkeypatch.setattr(gemm_module, "HOPPER_MIN_ROWS_PER_EXPERT", 0)
-    device = torch.device("cuda")
-    out = torch.empty(rows, n, dtype=dtype, device=device)
-    assert gemm_module._takes_hopper(out, experts, 128, out)
+    launches: list[None] = []
+    launch = hopper_plain.launch
+    monkeypatch.setattr(
+        hopper_plain, "launch", lambda *a, **kw: launches.append(launch(*a, **kw))
+    )
     gen = torch.Generator().manual_seed(rows + experts)
     counts = _routed_counts(rows - rows // 8, experts, gen)
     tolerance = 5e-3 if dtype == torch.bfloat16 else 1e-3
+    device = torch.device("cuda")
     _check(rows, counts, n, k, 128, dtype, device, calls=2, tolerance=tolerance)
+    assert len(launches) == 2
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_cuda_graph_replay_with_new_offsets() -> None:
+@needs_hopper
+def test_gpu_grouped_takes_hopper_where_it_can() -> None:
+    """From 40 rows per expert on average, group 128, 16-byte aligned
+    operands and a contiguous ``out``; the Triton kernel otherwise."""
+    device = torch.device("cuda")
+    experts, n, k = 4, 256, 256
+    packed, _ = _weights(experts, n, k, 128, torch.bfloat16, device)
+    a = torch.randn(40 * experts, k, device=device).to(torch.bfloat16)
+    out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=device)
+    takes = gemm_module._takes_hopper
+    assert takes(a, packed, 128, out)
+    assert not takes(a[1:], packed, 128, out[1:])  # 39.75 rows per expert
+    assert not takes(a, packed, -1, out)  # per-channel scales
+    shifted = torch.empty(packed.numel() + 1, dtype=packed.dtype, device=device)
+    assert not takes(a, shifted[1:].view(packed.shape), 128, out)  # 4-byte aligned
+    assert not takes(a, packed, 128, out.t().contiguous().t())  # strided out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [64, 2048])  # the Triton and the Hopper kernel
+def test_gpu_grouped_cuda_graph_replay_with_new_offsets(rows: int) -> None:
     """The offsets are read on the device: a captured call follows new routing."""
     dev = torch.device("cuda")
-    experts, n, k, rows = 16, 1536, 2048, 64
+    experts, n, k = 16, 1536, 2048
     packed, scales = _weights(experts, n, k, 128, torch.bfloat16, dev)
     a = torch.randn(rows, k, device=dev).to(torch.bfloat16)
     offsets = _offsets([rows // experts] * experts, dev)

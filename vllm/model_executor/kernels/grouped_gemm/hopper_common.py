@@ -2,7 +2,8 @@
 kernels share. The plain kernel is :mod:`.hopper_plain`, the gated one
 :mod:`.hopper_gated`; :mod:`.dispatch` decides when they run (the sm90 path
 of fp8 calls with 128-row tiles, group scales or an fp8 gated output, and
-the only path of 16-bit calls).
+the only path of 16-bit calls), and ``marlin.gemm`` when the plain one runs
+W4A16.
 
 Same contracts as the Triton kernels (fp8 with per-row and per-channel
 scales, or bf16/fp16 without; the permute's expert offsets, rows at or past
@@ -70,7 +71,8 @@ K_BYTES = gl.constexpr(128)
 # 3 x 48 KiB of boxes + store staging (2 x 32 KiB; gated 2 x 16 KiB, or
 # 2 x 8 KiB for its fp8 output). W4A8: 3 x 32 KiB of boxes + 64 KiB of
 # unpacked weights + 2 KiB of their scale steps + staging: the plain kernel
-# leaves < 1 KiB of the 227.
+# leaves < 1 KiB of the 227. W4A16: 3 x 24 KiB of boxes + 64 KiB unpacked +
+# staging.
 STAGES = gl.constexpr(3)
 SUB = gl.constexpr(64)  # rows per consumer warpgroup
 # Registers per thread: the consumers hold their accumulator (128) and
@@ -81,8 +83,9 @@ SUB = gl.constexpr(64)  # rows per consumer warpgroup
 CONSUMER_REGS = gl.constexpr(232)
 LOADER_REGS = gl.constexpr(40)
 GATHER_WARPS = gl.constexpr(4)  # the gated GEMM's loader: 16 bytes per thread
-# Columns per scale of a group-quantized activation: the gated GEMM's output
-# tile quantizes itself, and the plain GEMM takes one group per K step.
+# Columns per scale of a group-quantized activation (the gated GEMM's output
+# tile quantizes itself, and the plain GEMM takes one group per K step) and
+# of the uint4 weights' scales (one fp8 K step, two 16-bit ones).
 GROUP = gl.constexpr(128)
 # One fp8 K step (K_BYTES one-byte columns) and half a gated output tile.
 assert GROUP.value == K_BYTES.value == BLOCK_N.value // 2

@@ -277,8 +277,8 @@ def launch(
     has checked (shapes, dtypes, TMA alignment of ``a`` and ``w``) and
     :func:`~.dispatch.hopper_supports` accepts. fp8 operands come with scales
     (a 2-D ``a_scale`` [R, act_groups(K)] holds per-group row scales), 16-bit
-    ones with ``None``. With ``w_steps``, ``w`` [E, N, K // 2] holds packed
-    uint4 weights (any dtype: its bytes), and ``w_steps`` are, with fp8
+    ones with ``None``. With ``w_steps``, ``w`` [E, N, *] holds packed uint4
+    weights (K // 2 bytes a row, in any dtype), and ``w_steps`` are, with fp8
     ``a``, ``w_scale``'s :func:`~.hopper_uint4.w4_scale_steps`, or with
     16-bit ``a`` the Marlin group scales [E, K // 128, N] (no ``w_scale``)."""
     assert (a_scale is None) == (w_scale is None) == (a.element_size() == 2)

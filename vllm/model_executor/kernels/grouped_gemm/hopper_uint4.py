@@ -5,7 +5,8 @@ W4A16 (the Marlin packing of :mod:`~..marlin.packing`: eight per int32 word,
 16-bit scales per group of 128; bf16 or fp16 activations).
 
 The loaders of :mod:`.hopper_plain` and :mod:`.hopper_gated` bring the
-packed weight box (half the bytes of an A box's K) beside the A rows; this
+packed weight box (half a byte per K column of the A box) beside the A
+rows; the unpack's format follows A's dtype, not the weights'; this
 module adds what the consumers do with it:
 
 - each consumer warpgroup unpacks its half of the box's rows into one of two

@@ -1,4 +1,5 @@
-"""Marlin-style W4A16 GEMM in Triton: ``C[M, N] = A[M, K] @ dequant(B)^T``.
+"""Marlin-style W4A16 GEMM in Triton: ``C[M, N] = A[M, K] @ dequant(B)^T``
+(the grouped one on Hopper also on :mod:`~..grouped_gemm.hopper_plain`).
 
 A and C are bf16 or fp16; B holds uint4 weights with per-group or per-channel
 scales. ``config``: constants, tile heuristics and workspace sizing;

@@ -221,23 +221,25 @@ def marlin_gemm(
 
 
 # From this many rows per expert (on average) the grouped GEMM runs the
-# warp-specialized Hopper kernel (:mod:`~..grouped_gemm.hopper_uint4`), whose
-# 128-row tiles cost the same however few rows they hold. The W4A16 layer
-# at qwen3-30b-a3b dims (128 experts, top-8; H100, RESULTS.md): 32 rows
-# (512 tokens) 289.1 us on the Triton kernel against 293.9, 40 rows (640)
-# 345.7 against 301.5, 64 rows (1024) 534.7 against 340.2.
+# warp-specialized Hopper kernel (:mod:`~..grouped_gemm.hopper_plain` with
+# :mod:`~..grouped_gemm.hopper_uint4`'s unpack), whose 128-row tiles cost the
+# same however few rows they hold. The W4A16 layer at qwen3-30b-a3b dims
+# (128 experts, top-8; measured on an H100 only, RESULTS.md): 32 rows (512
+# tokens) 289.1 us on the Triton kernel against 293.9, 40 rows (640) 345.7
+# against 301.5, 64 rows (1024) 534.7 against 340.2.
 HOPPER_MIN_ROWS_PER_EXPERT = 40
 
 
 def _takes_hopper(
-    a: torch.Tensor, experts: int, group_size: int, out: torch.Tensor
+    a: torch.Tensor, b_packed: torch.Tensor, group_size: int, out: torch.Tensor
 ) -> bool:
     """Whether the Hopper kernel runs a grouped call: enough rows, groups
-    of its K step pairs, rows a TMA box reads (16-byte aligned), and an
+    of its K step pairs, operands TMA boxes read (16-byte aligned), and an
     ``out`` it stores (contiguous, :func:`hopper_supports`)."""
     return (
-        a.shape[0] >= HOPPER_MIN_ROWS_PER_EXPERT * experts
+        a.shape[0] >= HOPPER_MIN_ROWS_PER_EXPERT * b_packed.shape[0]
         and group_size == GROUP.value
+        and b_packed.data_ptr() % 16 == 0
         and a.stride(1) == 1
         and a.stride(0) * a.element_size() % 16 == 0
         and a.data_ptr() % 16 == 0
@@ -262,15 +264,16 @@ def marlin_gemm_grouped(
     """Per-expert ``a[rows of e] @ dequant(b_packed[e])^T -> [R, N]`` (MoE).
 
     ``a`` [R, K]: rows grouped by expert, rows ``offsets[e]:offsets[e + 1]``
-    belong to expert ``e``; rows at or past ``offsets[-1]`` are neither read
-    nor written. ``b_packed`` ``[E, N, K // 8]`` int32, ``scales`` ``[E,
-    groups, N]`` in ``a``'s dtype, ``expert_first_token_offset`` int64
-    ``[E + 1]`` on ``a``'s device (ascending, ``offsets[-1] <= R``);
+    belong to expert ``e``; rows at or past ``offsets[-1]`` are never written
+    (the Hopper kernel's boxes may read and drop them). ``b_packed`` ``[E, N,
+    K // 8]`` int32, ``scales`` ``[E, groups, N]`` in ``a``'s dtype,
+    ``expert_first_token_offset`` int64 ``[E + 1]`` on ``a``'s device
+    (ascending, ``offsets[-1] <= R``);
     ``workspace`` as in :func:`marlin_gemm`. No host sync (the offsets are
     read inside the kernel), no allocation except ``out`` when not given:
     CUDA-graph capturable. Without a ``config``, Hopper GPUs run the
-    warp-specialized kernel where :func:`_takes_hopper` (same numerics, no
-    locks).
+    warp-specialized kernel where :func:`_takes_hopper` (the same weight
+    rounding, fp32 sums in another order, no locks).
     """
     groups = _check_problem(a, group_size, size_n, size_k)
     if b_packed.dim() != 3 or not 0 < b_packed.shape[0] <= MAX_GROUPED_EXPERTS:
@@ -300,7 +303,7 @@ def marlin_gemm_grouped(
     rows = a.shape[0]
     if rows == 0:
         return out
-    if config is None and _takes_hopper(a, experts, group_size, out):
+    if config is None and _takes_hopper(a, b_packed, group_size, out):
         hopper_plain.launch(a, None, b_packed, None, offsets, out, w_steps=scales)
         return out
 
