@@ -7,11 +7,10 @@ import torch
 
 from tests.model_executor.kernels.grouped_gemm.utils import (
     GATED_CASES,
-    H200_SHARED_BYTES,
     HALF_BOUNDARIES,
     POISON,
+    assert_hopper_builds,
     compile_for_sm90,
-    compiled_in_own_process,
     counted_gated_problem,
     gated_problem,
     needs_hopper,
@@ -82,13 +81,9 @@ def test_compiles_for_sm90_without_a_gpu():
     """The kernel builds for Hopper with the installed Triton (CI has no GPU
     and a newer Triton than the H200 here), fits its shared memory, and ptxas
     leaves its wgmmas overlapped."""
-    module = "tests.model_executor.kernels.grouped_gemm.test_hopper_gated"
-    builds = compiled_in_own_process(module)
-    assert len(builds) == 6
-    for has_wgmma, shared, serialized in builds:
-        assert has_wgmma
-        assert 0 < shared <= H200_SHARED_BYTES
-        assert not serialized  # ptxas overlaps the MMAs
+    assert_hopper_builds(
+        "tests.model_executor.kernels.grouped_gemm.test_hopper_gated", 6
+    )
 
 
 @pytest.mark.gpu

@@ -10,10 +10,9 @@ import torch
 
 from tests.model_executor.kernels.grouped_gemm.utils import (
     EXPERT_COUNTS,
-    H200_SHARED_BYTES,
     POISON,
+    assert_hopper_builds,
     compile_for_sm90,
-    compiled_in_own_process,
     needs_hopper,
     sorted_routing,
 )
@@ -147,13 +146,9 @@ def test_compiles_for_sm90_without_a_gpu():
     """All three build for Hopper with the installed Triton, fit the shared
     memory of a block (the unpacked double buffer beside the ring), and
     ptxas leaves their wgmmas overlapped."""
-    module = "tests.model_executor.kernels.grouped_gemm.test_hopper_uint4"
-    builds = compiled_in_own_process(module)
-    assert len(builds) == 6
-    for has_wgmma, shared, serialized in builds:
-        assert has_wgmma
-        assert 0 < shared <= H200_SHARED_BYTES
-        assert not serialized  # ptxas overlaps the MMAs
+    assert_hopper_builds(
+        "tests.model_executor.kernels.grouped_gemm.test_hopper_uint4", 6
+    )
 
 
 def _weights(experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -324,3 +324,15 @@ def compiled_in_own_process(module: str) -> list[tuple[Any, ...]]:
     return [
         tuple(json.loads(x[len(COMPILED) :])) for x in lines if x.startswith(COMPILED)
     ]
+
+
+def assert_hopper_builds(module: str, count: int) -> None:
+    """``module``'s ``compile_kernels()`` (Gluon Hopper GEMMs) in a process
+    of its own: ``count`` builds, each multiplying on wgmma within a block's
+    shared memory, with ptxas overlapping its wgmmas."""
+    builds = compiled_in_own_process(module)
+    assert len(builds) == count
+    for has_wgmma, shared, serialized in builds:
+        assert has_wgmma
+        assert 0 < shared <= H200_SHARED_BYTES
+        assert not serialized  # ptxas overlaps the MMAs
