@@ -11,6 +11,12 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "abort"
     logprobs: list[dict[int, float]] | None  # per token: sampled + top ones
+    index: int = 0  # which of the prompt's ``n`` sequences
+    # The sampled tokens' log-probs summed (under ``logprobs``, else None)
+    cumulative_logprob: float | None = None
+    # What stopped it with "stop": the stop string, or the token of
+    # ``stop_token_ids``; None at EOS (vLLM's)
+    stop_reason: str | int | None = None
 
 
 @dataclass

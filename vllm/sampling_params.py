@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's int64 range
 
 
 @dataclass
 class SamplingParams:
-    """``temperature`` 0 is greedy. ``top_k`` 0 and ``top_p`` 1 keep every
+    """``n`` sequences are generated from the prompt (the engine runs each
+    as a request of its own: :meth:`fan_out`). ``temperature`` 0 is greedy.
+    ``top_k`` 0 and ``top_p`` 1 keep every
     token; ``min_p`` drops tokens below that fraction of the most likely
     one's probability. ``seed`` makes a request's samples reproducible
     whatever else is in the batch. ``logprobs`` asks for that many most
@@ -33,6 +35,7 @@ class SamplingParams:
     many most likely alternatives (vLLM's; such a request computes its
     whole prompt: no prefix-cache hits)."""
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +57,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = (
+            ("n", self.n >= 1, ">= 1", self.n),
             ("temperature", self.temperature >= 0, ">= 0", self.temperature),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]", self.top_p),
             ("top_k", self.top_k >= 0, ">= 0 (0: all tokens)", self.top_k),
@@ -110,6 +114,18 @@ class SamplingParams:
         for name, ok, expected, got in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+    def fan_out(self) -> list[SamplingParams]:
+        """One params per sequence, each with ``n`` 1; with a ``seed``,
+        sequence ``i`` takes ``seed + i`` (vLLM's), so that the sequences
+        differ and each is reproducible."""
+        if self.n == 1:
+            return [self]
+        seed = self.seed
+        return [
+            replace(self, n=1, seed=None if seed is None else seed + i)
+            for i in range(self.n)
+        ]
 
     @property
     def stop_strings(self) -> list[str]:

@@ -2,12 +2,15 @@
 tokenizer (fp32, CPU)."""
 
 import json
+from typing import Any
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.sampling_params import MAX_SEED
+from vllm.v1.request import Request
 from vllm.v1.worker.workspace import reset_workspace_manager
 
 
@@ -69,6 +72,125 @@ def test_seeds_stops_and_logprobs(llm):
     )
     assert cut.outputs[0].finish_reason == "stop"
     assert cut.outputs[0].text == text[: text.index(stop)]
+
+
+def test_n_sequences_come_as_one_output_and_each_reproduces(llm):
+    engine, _ = llm
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=1)
+    outs = engine.generate(["x = 1", [5, 6, 7]], params)
+    assert [o.request_id for o in outs] == [outs[0].request_id, outs[1].request_id]
+    assert outs[0].request_id != outs[1].request_id
+    for out, prompt in zip(outs, ["x = 1", [5, 6, 7]], strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        # sequence i is the single-sequence request seeded seed + i
+        singles = engine.generate(
+            [prompt] * 3,
+            [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, logprobs=1)
+             for i in range(3)],
+        )  # fmt: skip
+        for got, single in zip(out.outputs, singles, strict=True):
+            want = single.outputs[0]
+            assert (got.token_ids, got.text) == (want.token_ids, want.text)
+            assert got.logprobs is not None
+            sampled = [
+                step[t] for t, step in zip(got.token_ids, got.logprobs, strict=True)
+            ]
+            assert got.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-5)
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    (greedy,) = engine.generate(
+        "x = 1", SamplingParams(n=2, temperature=0, max_tokens=5)
+    )
+    first, second = greedy.outputs
+    assert first.token_ids == second.token_ids and first.cumulative_logprob is None
+    assert params.n == 3 and params.seed == 11  # the caller's params stay as given
+
+
+def test_n_is_checked_and_the_engine_takes_one_sequence_per_request(llm):
+    engine, _ = llm
+    request = Request("n3", [1, 2], SamplingParams(n=3))
+    with pytest.raises(ValueError, match="n: the engine runs one sequence"):
+        engine.engine.add_request(request)
+    # a child seed past the range is the prompt's error, before anything runs
+    with pytest.raises(ValueError, match=r"prompts\[1\]: seed: expected"):
+        engine.generate(
+            [[1, 2], [3, 4]],
+            [SamplingParams(max_tokens=2), SamplingParams(n=2, seed=MAX_SEED)],
+        )
+    assert not engine.engine.has_unfinished_requests()
+
+
+def test_stop_reason_names_the_stop_string_or_token(llm):
+    engine, _ = llm
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (full,) = engine.generate("def f(x):", greedy)
+    tokens, text = full.outputs[0].token_ids, full.outputs[0].text
+    assert full.outputs[0].finish_reason == "length"
+    assert full.outputs[0].stop_reason is None
+    end = next(i for i in range(1, 16) if tokens[i] not in tokens[:i])
+    by_token = SamplingParams(
+        temperature=0, max_tokens=16, stop_token_ids=[tokens[end]]
+    )
+    (stopped,) = engine.generate("def f(x):", by_token)
+    out = stopped.outputs[0]
+    assert out.token_ids == tokens[: end + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == tokens[end]
+    assert text
+    stop = text[len(text) // 2 :][:2]
+    by_text = SamplingParams(temperature=0, max_tokens=16, stop=["\x00", stop])
+    (cut,) = engine.generate("def f(x):", by_text)
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert cut.outputs[0].stop_reason == stop
+
+
+def test_chat_renders_the_template_and_generates(llm):
+    engine, _ = llm
+    tokenizer = engine.tokenizer
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    (out,) = engine.chat(conversation, greedy)
+    rendered = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    text = tokenizer.apply_chat_template(
+        rendered, add_generation_prompt=True, tokenize=False
+    )
+    assert out.prompt == text and text.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert out.prompt_token_ids == ids
+    (plain,) = engine.generate([ids], greedy)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    # several conversations, the template's own variables, continuing a reply
+    thinking, continued = engine.chat(
+        [conversation, [*rendered, {"role": "assistant", "content": "Sure"}]],
+        greedy,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    assert thinking.prompt.endswith("Be brief.<|im_end|>\n<|im_start|>user\nhi")
+    assert continued.prompt.endswith("<|im_start|>assistant\nSure")
+
+
+def test_chat_errors_name_the_field(llm):
+    engine, _ = llm
+    hi = [{"role": "user", "content": "hi"}]
+    cases: list[tuple[list, dict[str, Any], str]] = [
+        ([{"role": "robot", "content": "hi"}], {}, r"^messages\[0\]\.role: Input"),
+        ([hi, [{"content": "x"}]], {}, r"^conversations\[1\]: messages\[0\]\.role"),
+        ([hi, hi * 20], {}, r"^conversations\[1\]: prompt: \d+ tokens"),
+        ([[]], {}, r"^conversations\[0\]: messages: expected a non-empty list"),
+        (hi, {"continue_final_message": True}, r"^continue_final_message: needs"),
+        (hi, {"chat_template_kwargs": {"tokenize": True}}, r"^chat_template_kwargs"),
+        (hi, {"tools": [{"function": {}}]}, r"^tools\.0\.function\.name: Field"),
+    ]
+    for messages, options, error in cases:
+        with pytest.raises(ValueError, match=error):
+            engine.chat(messages, SamplingParams(max_tokens=2), **options)
+    assert not engine.engine.has_unfinished_requests()
 
 
 def test_prompt_logprobs_come_with_the_output(llm):

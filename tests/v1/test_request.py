@@ -1,4 +1,5 @@
 import copy
+from dataclasses import replace
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
@@ -23,3 +24,21 @@ def test_a_request_is_only_equal_to_itself():
     twin = copy.copy(a)
     assert a == a and a != twin
     assert twin not in [a] and a in [twin, a]
+
+
+def test_a_stop_token_is_the_stop_reason_and_eos_is_none():
+    params = SamplingParams(stop_token_ids=[7, 9], max_tokens=2)
+    for eos, ignore_eos, token, reason in (
+        (9, False, 7, 7),
+        (9, False, 9, None),  # EOS first (vLLM's order)
+        (9, True, 9, 9),  # EOS ignored, a stop token still
+        (5, False, 5, None),
+    ):
+        request = Request("r", [1], replace(params, ignore_eos=ignore_eos), eos)
+        request.append_token(token, 0.0, {})
+        assert (request.finish_reason, request.stop_reason) == ("stop", reason)
+    running = Request("r", [1], params, 9)
+    running.append_token(3, 0.0, {})
+    assert running.finish_reason is None
+    running.append_token(4, 0.0, {})
+    assert (running.finish_reason, running.stop_reason) == ("length", None)

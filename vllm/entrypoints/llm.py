@@ -10,9 +10,12 @@ worker processes (``llm.engine.shutdown()`` stops them; so does dropping the
 ``LLM``). ``generation_config`` (vLLM's: ``"auto"``, ``"vllm"`` or a
 directory) picks the sampling defaults and extra EOS ids of the
 checkpoint's ``generation_config.json``. ``generate`` adds every
-prompt as a request, steps the engine until all finish (continuous
-batching: requests join and leave every step) and returns one
-:class:`RequestOutput` per prompt, in order.
+prompt's ``n`` sequences as requests (``SamplingParams.fan_out``), steps
+the engine until all finish (continuous batching: requests join and leave
+every step) and returns one :class:`RequestOutput` per prompt, in order,
+its sequences in ``outputs``. ``chat`` renders conversations with the
+checkpoint's chat template (:mod:`vllm.entrypoints.chat_utils`, as the
+server does) and generates from them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import itertools
 from pathlib import Path
 from typing import Any, cast
 
+from vllm.entrypoints.chat_utils import chat_options, parse_messages, render_chat
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.generation_config import load_generation_defaults
@@ -56,14 +60,17 @@ class LLM:
     def _eos(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_token_id
 
-    def _prompt_ids(self, prompt: str | list[int], index: int) -> list[int]:
+    def _prompt_ids(
+        self, prompt: str | list[int], add_special_tokens: bool
+    ) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
-                    f"prompts[{index}]: a text prompt needs a tokenizer in the "
-                    f"checkpoint directory; give token ids"
+                    "a text prompt needs a tokenizer in the checkpoint directory; "
+                    "give token ids"
                 )
-            return list(self.tokenizer(prompt)["input_ids"])
+            encoded = self.tokenizer(prompt, add_special_tokens=add_special_tokens)
+            return list(encoded["input_ids"])
         return list(prompt)
 
     def generate(
@@ -79,6 +86,57 @@ class LLM:
             batch = [cast(str | list[int], prompts)]  # one prompt
         else:
             batch = list(prompts)
+        return self._generate(batch, sampling_params, "prompts", True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (OpenAI-style message dicts) or a list of them,
+        rendered with the checkpoint's chat template (options as the
+        server's chat requests take them), then generated as ``generate``
+        does; one output per conversation, its ``prompt`` the rendered
+        text."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "messages: chat needs a tokenizer and its chat template in the "
+                "checkpoint directory"
+            )
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else cast(list[Any], messages)
+        options = chat_options(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        texts: list[str | list[int]] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                parsed = parse_messages(conversation)
+                texts.append(render_chat(self.tokenizer, parsed, options))
+            except ValueError as e:
+                raise ValueError(
+                    str(e) if one else f"conversations[{i}]: {e}"
+                ) from None
+        # the template wrote the special tokens
+        return self._generate(texts, sampling_params, "conversations", False)
+
+    def _generate(
+        self,
+        batch: list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        name: str,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        """Each prompt's requests into the engine, or none of them (errors
+        name ``name[index]``), then all of them run."""
         params = sampling_params or self.get_default_sampling_params()
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
@@ -86,6 +144,7 @@ class LLM:
                 f"sampling_params: expected one per prompt ({len(batch)}), got "
                 f"{len(per_prompt)}"
             )
+        groups: list[tuple[str, list[Request]]] = []  # per prompt: id, sequences
         requests: list[Request] = []
         try:
             for i, (prompt, p) in enumerate(zip(batch, per_prompt, strict=True)):
@@ -95,13 +154,18 @@ class LLM:
                             "sampling_params.stop: stop strings need a tokenizer in "
                             "the checkpoint directory; use stop_token_ids"
                         )
-                    ids = self._prompt_ids(prompt, i)
-                    p = self.generation_defaults.apply(p)
-                    request = Request(str(next(self._request_ids)), ids, p, self._eos())
-                    self.engine.add_request(request)
+                    ids = self._prompt_ids(prompt, add_special_tokens)
+                    children = self.generation_defaults.apply(p).fan_out()
+                    parent = str(next(self._request_ids))
+                    group = []
+                    for j, child in enumerate(children):
+                        request = Request(f"{j}_{parent}", ids, child, self._eos())
+                        self.engine.add_request(request)
+                        requests.append(request)
+                        group.append(request)
                 except ValueError as e:
-                    raise ValueError(f"prompts[{i}]: {e}") from None
-                requests.append(request)
+                    raise ValueError(f"{name}[{i}]: {e}") from None
+                groups.append((parent, group))
             detokenizers = self._run(requests)
         finally:  # an error leaves none of this call's requests in the engine
             for request in requests:
@@ -109,8 +173,8 @@ class LLM:
         for detok in detokenizers.values():
             detok.flush()
         return [
-            self._output(r, p if isinstance(p, str) else None, detokenizers)
-            for r, p in zip(requests, batch, strict=True)
+            self._output(*group, p if isinstance(p, str) else None, detokenizers)
+            for group, p in zip(groups, batch, strict=True)
         ]
 
     def _run(self, requests: list[Request]) -> dict[str, IncrementalDetokenizer]:
@@ -134,6 +198,7 @@ class LLM:
                 if detok.stopped:  # also when the last allowed token completed it
                     self.engine.finish_request(request_id, "stop")
                     request.finish_reason = "stop"
+                    request.stop_reason = detok.stop_string
                 elif request.finish_reason is None:
                     still.append((request_id, detok))
             active = still  # finished requests are decoded no more
@@ -141,35 +206,47 @@ class LLM:
 
     def _output(
         self,
-        request: Request,
+        request_id: str,
+        group: list[Request],
         prompt: str | None,
         detokenizers: dict[str, IncrementalDetokenizer],
     ) -> RequestOutput:
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = [
-                {tok: lp, **top}
-                for tok, lp, top in zip(
+        """A prompt's output: its sequences' completions, in order."""
+        completions = []
+        for index, request in enumerate(group):
+            logprobs = cumulative = None
+            if request.sampling_params.logprobs is not None:
+                logprobs = [
+                    {tok: lp, **top}
+                    for tok, lp, top in zip(
+                        request.output_token_ids,
+                        request.output_logprobs,
+                        request.top_logprobs,
+                        strict=True,
+                    )
+                ]
+                cumulative = sum(request.output_logprobs)
+            detok = detokenizers.get(request.request_id)
+            completions.append(
+                CompletionOutput(
+                    None if detok is None else detok.text,
                     request.output_token_ids,
-                    request.output_logprobs,
-                    request.top_logprobs,
-                    strict=True,
+                    request.finish_reason,
+                    logprobs,
+                    index,
+                    cumulative,
+                    request.stop_reason,
                 )
-            ]
-        completion = CompletionOutput(
-            detok.text if (detok := detokenizers.get(request.request_id)) else None,
-            request.output_token_ids,
-            request.finish_reason,
-            logprobs,
-        )
+            )
+        first = group[0]
         prompt_logprobs = None
-        if request.sampling_params.prompt_logprobs is not None:
-            prompt_logprobs = request.prompt_logprobs
+        if first.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = first.prompt_logprobs
         return RequestOutput(
-            request.request_id,
+            request_id,
             prompt,
-            request.prompt_token_ids,
-            [completion],
+            first.prompt_token_ids,
+            completions,
             prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
         )

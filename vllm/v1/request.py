@@ -37,6 +37,9 @@ class Request:
     num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    # Under "stop": the stop string (set by the detokenizer's owner) or the
+    # token of stop_token_ids; None at EOS (vLLM's)
+    stop_reason: str | int | None = None
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache when it was first scheduled
     # (None before that).
@@ -123,9 +126,10 @@ class Request:
         self.output_logprobs.append(logprob)
         self.top_logprobs.append(top)
         params = self.sampling_params
-        if token_id in params.stop_token_ids or (
-            token_id == self.eos_token_id and not params.ignore_eos
-        ):
+        if token_id == self.eos_token_id and not params.ignore_eos:
             self.finish("stop")
+        elif token_id in params.stop_token_ids:
+            self.finish("stop")
+            self.stop_reason = token_id
         elif len(self.output_token_ids) >= params.max_tokens:
             self.finish("length")

@@ -27,7 +27,7 @@ def test_stop_strings_straddling_pieces_cut_the_text(tokenizer):
     ids = tokenizer(TEXT)["input_ids"]
     detok = IncrementalDetokenizer(tokenizer, stop=["wörld", "never"])
     pieces = [detok.update([token]) for token in ids]
-    assert detok.stopped and detok.text == "héllo "
+    assert detok.stop_string == "wörld" and detok.text == "héllo "
     assert "".join(pieces) == "héllo " and detok.update([ids[0]]) == ""
     assert detok.flush() == ""
 
@@ -53,7 +53,11 @@ def test_a_stop_string_counts_only_past_the_first_min_tokens(tokenizer):
 def test_the_stop_string_kept_and_special_tokens_shown_when_asked(tokenizer):
     ids = tokenizer(TEXT)["input_ids"]
     kept = IncrementalDetokenizer(tokenizer, stop=["wörld", "llo"], include_stop=True)
-    assert "".join(kept.update([t]) for t in ids) == "héllo" and kept.stopped
+    assert "".join(kept.update([t]) for t in ids) == "héllo"
+    assert kept.stop_string == "llo"
+    # the first to appear; of those starting together, the shortest
+    tie = IncrementalDetokenizer(tokenizer, stop=["lo", "llo", "l"], include_stop=True)
+    assert tie.update(ids) + tie.flush() == "hél" and tie.stop_string == "l"
     special = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for skip, want in ((True, "héllo"), (False, "<|im_end|>héllo")):
         detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)

@@ -87,6 +87,7 @@ def test_samples_follow_the_filtered_distribution():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
+        ("n", 0),
         ("temperature", -1.0),
         ("top_p", 0.0),
         ("top_k", -1),

@@ -21,19 +21,17 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from vllm.entrypoints.chat_utils import render_chat
 from vllm.entrypoints.openai.errors import OpenAIError, from_value_error
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionMessageParam,
@@ -50,31 +48,6 @@ from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
-
-
-def _template_message(message: ChatCompletionMessageParam) -> dict[str, Any]:
-    """A message as chat templates read it: an earlier call's arguments as
-    an object (Qwen3's template writes a string as it is), as vLLM does."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        rendered["name"] = message.name
-    if message.tool_calls:
-        calls = []
-        for call in message.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except (json.JSONDecodeError, RecursionError):
-                raise OpenAIError(
-                    f"messages: a tool call's arguments are not JSON: "
-                    f"{call.function.arguments[:80]!r}",
-                    param="messages",
-                ) from None
-            function = {"name": call.function.name, "arguments": arguments}
-            calls.append({"id": call.id, "type": call.type, "function": function})
-        rendered["tool_calls"] = calls
-    return rendered
 
 
 def sse(payload: BaseModel) -> str:
@@ -242,44 +215,10 @@ class OpenAIServing:
         self, messages: list[ChatCompletionMessageParam], options: ChatTemplateOptions
     ) -> list[int]:
         tokenizer = self.require_tokenizer("messages")
-        if options.continue_final_message and options.add_generation_prompt:
-            raise OpenAIError(
-                "continue_final_message: needs add_generation_prompt=false (the "
-                "last message is continued, no new one starts)",
-                param="continue_final_message",
-            )
-        variables = options.chat_template_kwargs or {}
-        if variables:  # (most requests send none: no signature to read)
-            render = inspect.signature(type(tokenizer).apply_chat_template)
-            # the renderer's arguments, and the messages it hands the template
-            named = {
-                n for n, p in render.parameters.items() if p.kind is not p.VAR_KEYWORD
-            }
-            if clash := sorted((named | {"messages"}) & variables.keys()):
-                raise OpenAIError(
-                    f"chat_template_kwargs: {clash} are the renderer's own "
-                    "arguments; give the template's variables",
-                    param="chat_template_kwargs",
-                )
-        conversation = [_template_message(m) for m in messages]
-        if options.tools:
-            variables = variables | {
-                "tools": [t.model_dump(exclude_none=True) for t in options.tools]
-            }
         try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message,
-                tokenize=False,
-                **variables,
-            )
-        # no template, a broken one, one that trips on a variable's type, or
-        # a message or tool nested too deep to copy
-        except (jinja2.TemplateError, ValueError, TypeError, RecursionError) as e:
-            raise OpenAIError(
-                f"messages: the chat template failed: {e}", param="messages"
-            ) from None
+            text = render_chat(tokenizer, messages, options)
+        except ValueError as e:
+            raise from_value_error(e) from None
         return self.text_prompt_ids(text, False, "messages")
 
     @staticmethod
@@ -336,24 +275,21 @@ class OpenAIServing:
                     param="logit_bias",
                 )
             knobs["logit_bias"] = {int(t): b for t, b in request.logit_bias.items()}
-        seed = request.seed
         try:
-            return [
-                SamplingParams(
-                    **knobs,
-                    seed=None if seed is None else seed + i,
-                    max_tokens=max_tokens,
-                    min_tokens=request.min_tokens,
-                    stop=request.stop or [],
-                    stop_token_ids=request.stop_token_ids or [],
-                    ignore_eos=request.ignore_eos,
-                    include_stop_str_in_output=request.include_stop_str_in_output,
-                    skip_special_tokens=request.skip_special_tokens,
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
-                )
-                for i in range(request.n)
-            ]
+            return SamplingParams(
+                **knobs,
+                n=request.n,
+                seed=request.seed,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                stop=request.stop or [],
+                stop_token_ids=request.stop_token_ids or [],
+                ignore_eos=request.ignore_eos,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            ).fan_out()
         except ValueError as e:
             raise from_value_error(e) from None
 

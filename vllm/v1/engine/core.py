@@ -275,6 +275,11 @@ class EngineCore:
         params, ids = request.sampling_params, request.prompt_token_ids
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
+        if params.n != 1:
+            raise ValueError(
+                f"n: the engine runs one sequence per request (fan them out with "
+                f"SamplingParams.fan_out()), got {params.n}"
+            )
         if not ids:
             raise ValueError("prompt: expected at least one token, got none")
         if min(ids) < 0 or max(ids) >= vocab:

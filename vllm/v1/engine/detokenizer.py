@@ -46,7 +46,8 @@ class IncrementalDetokenizer:
         self._stop_from: int | None = None if min_tokens else 0
         self.token_ids: list[int] = []
         self.text = ""  # emitted so far
-        self.stopped = False  # a stop string appeared; text ends before it
+        # the stop string that appeared (the text ends before it)
+        self.stop_string: str | None = None
         self._complete = ""  # decoded text ending in a whole character
         self._prefix_offset = 0
         self._read_offset = 0
@@ -62,6 +63,10 @@ class IncrementalDetokenizer:
             params.include_stop_str_in_output,
             params.skip_special_tokens,
         )
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
 
     def update(self, token_ids: list[int]) -> str:
         """Add tokens; returns the new text (possibly empty)."""
@@ -98,12 +103,10 @@ class IncrementalDetokenizer:
                 (text.find(s, max(self._stop_from - len(s) + 1, emitted, 0)), s)
                 for s in self.stop
             )
-            hits = [
-                (at, len(s) if self.include_stop else 0) for at, s in found if at >= 0
-            ]
+            hits = [(at, s) for at, s in found if at >= 0]
         if hits:
-            self.stopped = True
-            at, kept = min(hits)
+            at, self.stop_string = min(hits)  # the first; the shortest at a tie
+            kept = len(self.stop_string) if self.include_stop else 0
             return self._emit(text[: at + kept])
         return self._emit(text[: len(text) - hold])
 
