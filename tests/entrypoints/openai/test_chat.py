@@ -34,6 +34,20 @@ def test_chat_reply_and_usage(client, server):
         assert out.usage.completion_tokens == 6
 
 
+def test_a_stop_string_is_the_stop_reason(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2 :][:2]
+    assert stop and full.choices[0].model_extra["stop_reason"] is None
+    cut = client.chat.completions.create(**kwargs, stop=stop)
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.chat.completions.create(**kwargs, stop=stop, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
 def test_content_parts_read_as_joined_text(client):
     parts = [
         {"type": "text", "text": "Load a JSON"},

@@ -8,6 +8,7 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MAX_MODEL_LEN, MODEL
 from tests.entrypoints.openai.utils import SERVER_DTYPE, RemoteOpenAIServer
+from vllm.model_executor.model_loader.tiny_checkpoint import TINY_CONFIG
 
 PROMPT = "def load(fp, *, cls=None):"
 
@@ -117,8 +118,29 @@ def test_stop_strings_cut_the_text(client):
     cut = client.completions.create(**kwargs, stop=[stop, "never seen"])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
-    chunks = client.completions.create(**kwargs, stop=stop, stream=True)
+    assert full.choices[0].model_extra["stop_reason"] is None  # length
+    assert cut.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+    chunks = list(client.completions.create(**kwargs, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_a_stop_token_is_the_stop_reason(client, server):
+    """Every token but EOS stops: the first one sampled is the reason."""
+    eos = httpx.post(
+        server.url_for("tokenize"),
+        json={"prompt": "<|im_end|>", "add_special_tokens": False},
+    ).json()["tokens"]
+    stops = [t for t in range(TINY_CONFIG["vocab_size"]) if t not in eos]
+    for stream in (False, True):
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=stream,
+            extra_body={"stop_token_ids": stops},
+        )  # fmt: skip
+        last = list(out)[-1] if stream else out
+        choice = last.choices[0]
+        assert choice.finish_reason == "stop", stream
+        assert choice.model_extra["stop_reason"] in stops
 
 
 def test_penalties_reach_the_sampler(client):

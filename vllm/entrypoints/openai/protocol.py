@@ -116,6 +116,8 @@ class CompletionResponseChoice(BaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token that ended it (None at EOS)
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -228,6 +230,8 @@ class ChatCompletionResponseChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token that ended it (None at EOS)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -263,6 +267,8 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token that ended it (None at EOS)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(BaseModel):

@@ -249,6 +249,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=_finish_reason(
                         choice.finish_reason, bool(message.tool_calls)
                     ),
+                    stop_reason=choice.stop_reason,
                 )
                 for index, (choice, message) in enumerate(
                     zip(choices, messages, strict=True)
@@ -337,6 +338,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=_finish_reason(
                         out.finish_reason, called is not None and called.calls > 0
                     ),
+                    stop_reason=out.stop_reason,
                 )
                 events.append(event(choice))
             if events:

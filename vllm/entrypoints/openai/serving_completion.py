@@ -109,7 +109,14 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = await collect(stream, len(prompts) * request.n)
         if prompt_only:
             choices = [
-                replace(c, text="", token_ids=[], logprobs=[], finish_reason="length")
+                replace(
+                    c,
+                    text="",
+                    token_ids=[],
+                    logprobs=[],
+                    finish_reason="length",
+                    stop_reason=None,
+                )
                 for c in choices
             ]
         for index, choice in enumerate(choices):
@@ -125,6 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text=echo.text + choice.text,
                     logprobs=choice_logprobs,
                     finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
                 )
             )
         num_tokens = sum(len(c.token_ids) for c in choices)
@@ -229,7 +237,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if prompt_only:
                     reason = out.finish_reason and "length"
                     out = replace(
-                        out, text="", token_ids=[], logprobs=None, finish_reason=reason
+                        out,
+                        text="",
+                        token_ids=[],
+                        logprobs=None,
+                        finish_reason=reason,
+                        stop_reason=None,
                     )
                 num_tokens += len(out.token_ids)
                 echo = _Echo("", None, offsets.get(index, 0))
@@ -254,6 +267,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text=text,
                     logprobs=choice_logprobs,
                     finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
                 )
                 events.append(chunks.event(choice))
             if events:

@@ -104,6 +104,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
 
@@ -112,7 +113,7 @@ class Choice:
         self.text += out.text or ""
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
-        self.finish_reason = out.finish_reason
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.num_cached_tokens is not None:

@@ -273,11 +273,12 @@ class AsyncLLM:
             if tracked is None:
                 continue  # finished here already (a stop string)
             new, finish_reason = output.new_token_ids, output.finish_reason
+            stop_reason: int | str | None = output.stop_token
             text = None
             if tracked.detokenizer is not None:
                 text = tracked.detokenizer.update(new)
                 if tracked.detokenizer.stopped:
-                    finish_reason = "stop"
+                    finish_reason, stop_reason = "stop", tracked.detokenizer.stop_string
                     self._abort([output.request_id], "stop")
                 elif finish_reason is not None:
                     text += tracked.detokenizer.flush()
@@ -297,7 +298,11 @@ class AsyncLLM:
                 output.request_id,
                 None,
                 request.prompt_token_ids,
-                [CompletionOutput(text, new, finish_reason, logprobs)],
+                [
+                    CompletionOutput(
+                        text, new, finish_reason, logprobs, stop_reason=stop_reason
+                    )
+                ],
                 finished,
                 output.prompt_logprobs,
                 output.num_cached_tokens,

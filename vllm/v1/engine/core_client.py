@@ -89,6 +89,7 @@ class EngineCoreOutput:
     # prompt tokens found in the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int | None = None
+    stop_token: int | None = None  # of stop_token_ids, that finished it
 
 
 @dataclass
@@ -159,6 +160,10 @@ class EngineCoreLoop:
                     # a copy: an abort may come before the last rows resolve
                     list(request.prompt_logprobs) if first_with_prompt else None,
                     request.num_cached_tokens if num_sent == 0 else None,
+                    # (stop strings are the client's: it detokenizes)
+                    request.stop_reason
+                    if isinstance(request.stop_reason, int)
+                    else None,
                 )
             )
             if request.finish_reason is None:
