@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.inputs import TextPrompt, TokensPrompt
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
 from vllm.sampling_params import MAX_SEED
 from vllm.v1.request import Request
@@ -52,6 +53,25 @@ def test_text_in_text_out_matches_transformers(llm):
             assert got == want
         assert completion.text == engine.tokenizer.decode(got, skip_special_tokens=True)
         assert completion.finish_reason in ("length", "stop")
+
+
+def test_vllms_prompt_dicts_generate_as_text_and_ids_do(llm):
+    engine, _ = llm
+    ids = engine.tokenizer("import json\n")["input_ids"]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    want = engine.generate(["def load(fp):", ids], greedy)
+    got = engine.generate(
+        [TextPrompt(prompt="def load(fp):"), TokensPrompt(prompt_token_ids=ids)], greedy
+    )
+    for a, b in zip(want, got, strict=True):
+        assert (a.prompt, a.prompt_token_ids) == (b.prompt, b.prompt_token_ids)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    (one,) = engine.generate(TokensPrompt(prompt_token_ids=ids), greedy)
+    assert (
+        one.prompt is None and one.outputs[0].token_ids == want[1].outputs[0].token_ids
+    )
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected a TextPrompt"):
+        engine.generate([ids, {"text": "x"}], greedy)  # type: ignore[list-item]
 
 
 def test_seeds_stops_and_logprobs(llm):

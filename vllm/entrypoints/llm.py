@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from vllm.entrypoints.chat_utils import chat_options, parse_messages, render_chat
+from vllm.inputs import PromptType, TextPrompt, TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.generation_config import load_generation_defaults
@@ -36,6 +37,12 @@ from vllm.v1.engine.dp_engine import DPEngineCore
 from vllm.v1.request import Request
 
 _engine_ids = itertools.count()
+
+
+def _prompt_text(prompt: PromptType) -> str | None:
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+        return cast(TextPrompt, prompt)["prompt"]
+    return prompt if isinstance(prompt, str) else None
 
 
 class LLM:
@@ -60,9 +67,16 @@ class LLM:
     def _eos(self) -> int | None:
         return None if self.tokenizer is None else self.tokenizer.eos_token_id
 
-    def _prompt_ids(
-        self, prompt: str | list[int], add_special_tokens: bool
-    ) -> list[int]:
+    def _prompt_ids(self, prompt: PromptType, add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(cast(TokensPrompt, prompt)["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(
+                    f"expected a TextPrompt ('prompt') or a TokensPrompt "
+                    f"('prompt_token_ids'), got keys {sorted(prompt)}"
+                )
+            prompt = cast(TextPrompt, prompt)["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -75,17 +89,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: PromptType | list[PromptType] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Texts or token-id lists; one params for all or one per prompt.
+        """Texts, token-id lists or vLLM's ``TextPrompt`` / ``TokensPrompt``
+        dicts (:mod:`vllm.inputs`); one params for all or one per prompt.
         Every prompt is checked before any runs (a bad one raises
         ``ValueError`` naming its index)."""
-        batch: list[str | list[int]]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [cast(str | list[int], prompts)]  # one prompt
+        batch: list[PromptType]
+        one = isinstance(prompts, str | dict)
+        if one or (prompts and isinstance(cast(list, prompts)[0], int)):
+            batch = [cast(PromptType, prompts)]
         else:
-            batch = list(prompts)
+            batch = list(cast(list[PromptType], prompts))
         return self._generate(batch, sampling_params, "prompts", True)
 
     def chat(
@@ -116,7 +132,7 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
         )
-        texts: list[str | list[int]] = []
+        texts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             try:
                 parsed = parse_messages(conversation)
@@ -130,7 +146,7 @@ class LLM:
 
     def _generate(
         self,
-        batch: list[str | list[int]],
+        batch: list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None,
         name: str,
         add_special_tokens: bool,
@@ -173,7 +189,7 @@ class LLM:
         for detok in detokenizers.values():
             detok.flush()
         return [
-            self._output(*group, p if isinstance(p, str) else None, detokenizers)
+            self._output(*group, _prompt_text(p), detokenizers)
             for group, p in zip(groups, batch, strict=True)
         ]
 
