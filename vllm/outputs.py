@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "abort"
     logprobs: list[dict[int, float]] | None  # per token: sampled + top ones
-    index: int = 0  # which of the prompt's ``n`` sequences
+    index: int = 0  # which of the prompt's ``n`` sequences (LLM.generate's)
     # The sampled tokens' log-probs summed (under ``logprobs``, else None)
     cumulative_logprob: float | None = None
     # What stopped it with "stop": the stop string, or the token of

@@ -3,8 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's int64 range
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's): a JSON schema (``json``:
+    a dict or its text), any JSON object (``json_object``), a regular
+    expression, one of the ``choice`` strings, or an EBNF ``grammar``
+    (xgrammar's dialect). Exactly one of them. JSON may hold whitespace
+    anywhere JSON allows it unless ``disable_any_whitespace`` (vLLM's
+    option for models that pad without end)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: expected exactly one of json, regex, choice, "
+                f"grammar, json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and not (
+            self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice: expected non-empty strings, got "
+                f"{self.choice!r}"
+            )
 
 
 @dataclass
@@ -33,7 +67,8 @@ class SamplingParams:
     ``skip_special_tokens`` is False. ``prompt_logprobs`` asks for each
     prompt token's log-probability given the tokens before it, with that
     many most likely alternatives (vLLM's; such a request computes its
-    whole prompt: no prefix-cache hits)."""
+    whole prompt: no prefix-cache hits). ``structured_outputs`` holds the
+    output to a grammar (:mod:`vllm.v1.structured_output`)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -54,6 +89,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -106,8 +142,8 @@ class SamplingParams:
             ),
             (
                 "seed",
-                self.seed is None or 0 <= self.seed <= MAX_SEED,
-                f"None or in [0, {MAX_SEED}]",
+                self.seed is None or 0 <= self.seed <= MAX_SEED - (self.n - 1),
+                f"None or in [0, {MAX_SEED} - (n - 1)] (sequence i takes seed + i)",
                 self.seed,
             ),
         )

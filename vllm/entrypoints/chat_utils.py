@@ -80,9 +80,11 @@ def render_chat(
     tokenizer: Any,
     messages: list[ChatCompletionMessageParam],
     options: ChatTemplateOptions,
+    chat_template: str | None = None,
 ) -> str:
     """The prompt text of ``messages`` (special tokens included: encode it
-    without adding them again)."""
+    without adding them again), by ``chat_template`` if given, else the
+    tokenizer's."""
     if options.continue_final_message and options.add_generation_prompt:
         raise ValueError(
             "continue_final_message: needs add_generation_prompt=false (the "
@@ -108,6 +110,7 @@ def render_chat(
             conversation,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            chat_template=chat_template,
             tokenize=False,
             **variables,
         )

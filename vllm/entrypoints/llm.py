@@ -113,12 +113,13 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (OpenAI-style message dicts) or a list of them,
-        rendered with the checkpoint's chat template (options as the
-        server's chat requests take them), then generated as ``generate``
-        does; one output per conversation, its ``prompt`` the rendered
-        text."""
+        rendered with the checkpoint's chat template or ``chat_template``
+        (options as the server's chat requests take them), then generated as
+        ``generate`` does; one output per conversation, its ``prompt`` the
+        rendered text. Errors name the conversation's index."""
         if self.tokenizer is None:
             raise ValueError(
                 "messages: chat needs a tokenizer and its chat template in the "
@@ -136,11 +137,11 @@ class LLM:
         for i, conversation in enumerate(conversations):
             try:
                 parsed = parse_messages(conversation)
-                texts.append(render_chat(self.tokenizer, parsed, options))
+                texts.append(
+                    render_chat(self.tokenizer, parsed, options, chat_template)
+                )
             except ValueError as e:
-                raise ValueError(
-                    str(e) if one else f"conversations[{i}]: {e}"
-                ) from None
+                raise ValueError(f"conversations[{i}]: {e}") from None
         # the template wrote the special tokens
         return self._generate(texts, sampling_params, "conversations", False)
 
@@ -160,7 +161,7 @@ class LLM:
                 f"sampling_params: expected one per prompt ({len(batch)}), got "
                 f"{len(per_prompt)}"
             )
-        groups: list[tuple[str, list[Request]]] = []  # per prompt: id, sequences
+        prompt_requests: list[tuple[str, list[Request]]] = []  # its id, sequences
         requests: list[Request] = []
         try:
             for i, (prompt, p) in enumerate(zip(batch, per_prompt, strict=True)):
@@ -173,24 +174,28 @@ class LLM:
                     ids = self._prompt_ids(prompt, add_special_tokens)
                     children = self.generation_defaults.apply(p).fan_out()
                     parent = str(next(self._request_ids))
-                    group = []
+                    sequences = []
                     for j, child in enumerate(children):
                         request = Request(f"{j}_{parent}", ids, child, self._eos())
                         self.engine.add_request(request)
                         requests.append(request)
-                        group.append(request)
+                        sequences.append(request)
                 except ValueError as e:
                     raise ValueError(f"{name}[{i}]: {e}") from None
-                groups.append((parent, group))
+                prompt_requests.append((parent, sequences))
             detokenizers = self._run(requests)
         finally:  # an error leaves none of this call's requests in the engine
             for request in requests:
                 self.engine.finish_request(request.request_id)
-        for detok in detokenizers.values():
-            detok.flush()
+        for request in requests:
+            if (detok := detokenizers.get(request.request_id)) is not None:
+                detok.flush()  # held-back text may still complete a stop string
+                if detok.stopped and request.stop_reason is None:
+                    request.finish_reason = "stop"
+                    request.stop_reason = detok.stop_string
         return [
-            self._output(*group, _prompt_text(p), detokenizers)
-            for group, p in zip(groups, batch, strict=True)
+            self._output(*sequences, _prompt_text(p), detokenizers)
+            for sequences, p in zip(prompt_requests, batch, strict=True)
         ]
 
     def _run(self, requests: list[Request]) -> dict[str, IncrementalDetokenizer]:
@@ -223,13 +228,13 @@ class LLM:
     def _output(
         self,
         request_id: str,
-        group: list[Request],
+        sequences: list[Request],
         prompt: str | None,
         detokenizers: dict[str, IncrementalDetokenizer],
     ) -> RequestOutput:
         """A prompt's output: its sequences' completions, in order."""
         completions = []
-        for index, request in enumerate(group):
+        for index, request in enumerate(sequences):
             logprobs = cumulative = None
             if request.sampling_params.logprobs is not None:
                 logprobs = [
@@ -254,7 +259,7 @@ class LLM:
                     request.stop_reason,
                 )
             )
-        first = group[0]
+        first = sequences[0]
         prompt_logprobs = None
         if first.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = first.prompt_logprobs

@@ -278,10 +278,12 @@ class AsyncLLM:
             if tracked.detokenizer is not None:
                 text = tracked.detokenizer.update(new)
                 if tracked.detokenizer.stopped:
-                    finish_reason, stop_reason = "stop", tracked.detokenizer.stop_string
                     self._abort([output.request_id], "stop")
                 elif finish_reason is not None:
+                    # held-back text may still complete a stop string
                     text += tracked.detokenizer.flush()
+                if tracked.detokenizer.stopped:
+                    finish_reason, stop_reason = "stop", tracked.detokenizer.stop_string
             self._record_tokens(tracked, len(new), now)
             logprobs = None
             if output.new_logprobs is not None:
