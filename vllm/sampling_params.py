@@ -25,6 +25,20 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        types: dict[str, tuple[type | tuple[type, ...], str]] = {
+            "json": ((str, dict), "a JSON schema (an object or its text)"),
+            "regex": (str, "a string"),
+            "choice": (list, "a list of strings"),
+            "grammar": (str, "a string"),
+            "json_object": (bool, "a bool"),
+            "disable_any_whitespace": (bool, "a bool"),
+        }
+        for name, (kind, expected) in types.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(
+                    f"structured_outputs.{name}: expected {expected}, got {value!r:.80}"
+                )
         kinds = ("json", "regex", "choice", "grammar", "json_object")
         given = [k for k in kinds if getattr(self, k) not in (None, False)]
         if len(given) != 1:
@@ -37,7 +51,7 @@ class StructuredOutputsParams:
         ):
             raise ValueError(
                 f"structured_outputs.choice: expected non-empty strings, got "
-                f"{self.choice!r}"
+                f"{self.choice!r:.80}"
             )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ class Request:
     # token of stop_token_ids; None at EOS (vLLM's)
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # xgrammar's matcher of its structured outputs (the engine's), which
+    # has accepted every appended output token
+    grammar: Any = None
     # Prompt tokens found in the prefix cache when it was first scheduled
     # (None before that).
     num_cached_tokens: int | None = None
@@ -109,13 +113,15 @@ class Request:
 
     def resolve_token(
         self, token_id: int, logprob: float, top: dict[int, float]
-    ) -> None:
-        """The oldest pending token, now on the host: appended, unless the
-        request finished meanwhile (an abort, a stop: the step that sampled
-        it computed past the end, and its token is dropped)."""
+    ) -> bool:
+        """The oldest pending token, now on the host: appended (True),
+        unless the request finished meanwhile (an abort, a stop: the step
+        that sampled it computed past the end, and its token is dropped)."""
         self.num_pending_tokens -= 1
-        if self.status is not RequestStatus.FINISHED:
-            self.append_token(token_id, logprob, top)
+        if self.status is RequestStatus.FINISHED:
+            return False
+        self.append_token(token_id, logprob, top)
+        return True
 
     def append_token(
         self, token_id: int, logprob: float, top: dict[int, float]

@@ -5,6 +5,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.sampler import (
     TokenHistory,
+    TokenMasks,
     adjusted_logits,
     filtered_probs,
     sample,
@@ -281,6 +282,37 @@ def test_banned_tokens_are_never_sampled_and_logprobs_stay_raw():
     assert {t.token_id for t in unbanned} & set(banned[1])  # they would be drawn
     with pytest.raises(ValueError, match=r"banned: expected token ids in \[0, 40\)"):
         adjusted_logits(logits, [greedy, rand], None, {1: [40]})
+
+
+def pack(rows: list[set[int]], vocab: int) -> torch.Tensor:
+    """Allowed token sets as xgrammar's bitmask (bit t % 32 of word t // 32)."""
+    words = np.zeros((len(rows), -(-vocab // 32)), dtype=np.uint32)
+    for i, tokens in enumerate(rows):
+        for t in tokens:
+            words[i, t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def test_token_masks_confine_their_rows_and_logprobs_stay_raw():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 70)  # three words, the last one partial
+    greedy, rand = SamplingParams(temperature=0, logprobs=0), SamplingParams()
+    order = logits[0].argsort(descending=True).tolist()
+    keep = {order[9], order[3], 69, 31}  # bits in every word, the sign bit too
+    masks = TokenMasks([0, 2], pack([keep, {5, 64}], 70))
+    first, free, third = sample_async(
+        logits, [greedy, greedy, greedy], [None] * 3, masks=masks
+    ).tolist()
+    assert first.token_id == max(keep, key=lambda t: float(logits[0, t]))
+    assert free.token_id == int(logits[1].argmax())  # row 1 has no mask
+    assert third.token_id == max((5, 64), key=lambda t: float(logits[2, t]))
+    reference = torch.log_softmax(logits[0], -1)[first.token_id]
+    assert first.logprob == pytest.approx(float(reference))
+    rows = logits[:1].expand(300, -1)
+    gen = torch.Generator().manual_seed(0)
+    masks = TokenMasks(list(range(300)), pack([keep] * 300, 70))
+    drawn = sample_async(rows, [rand] * 300, [gen] * 300, masks=masks).tolist()
+    assert {t.token_id for t in drawn} == keep  # all of them, nothing else
 
 
 @pytest.mark.gpu

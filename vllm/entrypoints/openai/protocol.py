@@ -66,9 +66,26 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str
+    # ("schema" itself would shadow pydantic's BaseModel.schema)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(RequestModel):
     """What completions and chat share: the model, ``n``, streaming and
-    sampling."""
+    sampling; the output's structure as OpenAI's ``response_format`` or
+    vLLM's ``structured_outputs`` (the fields of
+    :class:`~vllm.sampling_params.StructuredOutputsParams`)."""
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -90,6 +107,8 @@ class SamplingRequest(RequestModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 # -- completions ---------------------------------------------------------------

@@ -57,6 +57,7 @@ from vllm.entrypoints.openai.serving_engine import (
     off_the_loop,
     sse,
     sse_response,
+    structured_renames,
     usage,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -199,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         tool_parser = self._tool_parser(request)
         prompt = await off_the_loop(self.chat_prompt_ids, request.messages, request)
-        renames = {"prompt": "messages"}
+        renames = {"prompt": "messages", **structured_renames(request)}
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens

@@ -44,6 +44,7 @@ from vllm.entrypoints.openai.serving_engine import (
     off_the_loop,
     sse,
     sse_response,
+    structured_renames,
     usage,
 )
 from vllm.v1.engine.async_llm import RequestStream
@@ -87,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p in prompts
         ]
-        stream = await self.admit(prompts, params)
+        stream = await self.admit(prompts, params, structured_renames(request))
         response = CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}",
             created=int(time.time()),

@@ -43,7 +43,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -279,6 +279,7 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 **knobs,
+                structured_outputs=structured_outputs(request),
                 n=request.n,
                 seed=request.seed,
                 max_tokens=max_tokens,
@@ -308,6 +309,45 @@ class OpenAIServing:
             return await self.engine.add_requests(flat_prompts, flat_params)
         except ValueError as e:
             raise from_value_error(e, renames) from None
+
+
+def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+    """What ``response_format`` or ``structured_outputs`` asks of the
+    output (one of them at most)."""
+    given = request.structured_outputs
+    response_format = request.response_format
+    if given is not None and response_format is not None:
+        raise OpenAIError(
+            "structured_outputs: give it or response_format, not both",
+            param="structured_outputs",
+        )
+    if given is not None:
+        try:
+            return StructuredOutputsParams(**given)
+        except TypeError as e:  # an unknown field
+            raise OpenAIError(
+                f"structured_outputs: {e}".replace("__init__() ", ""),
+                param="structured_outputs",
+            ) from None
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = response_format.json_schema
+    if schema is None or schema.json_schema is None:
+        raise OpenAIError(
+            'response_format: type "json_schema" needs json_schema.schema',
+            param="response_format",
+        )
+    return StructuredOutputsParams(json=schema.json_schema)
+
+
+def structured_renames(request: SamplingRequest) -> dict[str, str]:
+    """The engine names a grammar it cannot compile by StructuredOutputsParams'
+    field: the request's spelling for it."""
+    if request.response_format is None:
+        return {}
+    return {"structured_outputs.json": "response_format"}
 
 
 def json_response(payload: BaseModel) -> Response:

@@ -50,6 +50,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 from vllm.transformers_utils.config import load_hf_config
+from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.utils import to_device
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -61,6 +62,7 @@ from vllm.v1.sample.prompt_logprobs import (
     prompt_rows_of,
 )
 from vllm.v1.sample.sampler import SampledBatch, TokenHistory, sample_async
+from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
@@ -135,6 +137,7 @@ class EngineCore:
         # else in the process advances it, so tensor-parallel ranks (which
         # must sample alike) stay in step whatever the caller does.
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._structured: StructuredOutputManager | None = None
         num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device, num_ubatches=num_ubatches)
@@ -262,11 +265,28 @@ class EngineCore:
         self.check_request(request)
         if self.scheduler.has_request(request.request_id):
             raise ValueError(f"request_id: {request.request_id!r} is already running")
-        if request.sampling_params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(
-                request.sampling_params.seed
+        params = request.sampling_params
+        if params.structured_outputs is not None:
+            request.grammar = self._structured_output().matcher(
+                params.structured_outputs
             )
+        if params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(params.seed)
         self.scheduler.add_request(request)
+
+    def _structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler, made with the first request that needs it
+        (with the checkpoint's tokenizer)."""
+        if self._structured is None:
+            tokenizer = get_tokenizer(self.config.model)
+            if tokenizer is None:
+                raise ValueError(
+                    "structured_outputs: needs the tokenizer files in the "
+                    "checkpoint directory"
+                )
+            vocab = self.model.config.vocab_size
+            self._structured = StructuredOutputManager(tokenizer, vocab)
+        return self._structured
 
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` naming the field if this engine's model
@@ -341,13 +361,20 @@ class EngineCore:
         ``async_scheduling`` the step is launched and the one before it
         resolved: the host schedules and fills step N + 1 while the GPU
         still runs step N, and the requests returned finished in step N."""
+        finished = None
+        if self._in_flight is not None and any(
+            c.request.grammar is not None for c in self._in_flight.sampling
+        ):  # a grammar's next mask needs the token in flight: resolved first
+            finished, self._in_flight = self._resolve(self._in_flight), None
         chunks = self.scheduler.schedule()
         self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
         launched = self._launch(chunks) if chunks else None
         if not self.config.async_scheduling:
             return self._resolve(launched) if launched else self._stalled()
         previous, self._in_flight = self._in_flight, launched
-        return self._resolve(previous) if previous else self._stalled()
+        if previous is not None:
+            return self._resolve(previous)
+        return finished if finished is not None else self._stalled()
 
     def _stalled(self) -> list[Request]:
         """Nothing resolved this step: an error if requests wait while no
@@ -374,6 +401,11 @@ class EngineCore:
             history = None
             if any(p.penalized for p in params):
                 history = self._token_history([c.request for c in sampling])
+            masks = None
+            if self._structured is not None:
+                masks = self._structured.token_masks(
+                    [c.request.grammar for c in sampling], logits.device
+                )
             sampled = sample_async(
                 logits,
                 params,
@@ -381,6 +413,7 @@ class EngineCore:
                 self.generator,
                 history,
                 self._banned([c.request for c in sampling]),
+                masks,
             )
             done = None
             if self._bounded_wait:
@@ -441,9 +474,12 @@ class EngineCore:
                 rows.request.add_prompt_logprobs(rows.first_token, entries)
         tokens = launched.sampled.tolist()
         for chunk, token in zip(launched.sampling, tokens, strict=True):
-            chunk.request.resolve_token(
+            request = chunk.request
+            appended = request.resolve_token(
                 token.token_id, token.logprob, token.top_logprobs
             )
+            if appended and request.grammar is not None:
+                _advance_grammar(request, token.token_id)
         if self.tp_group is not None:  # what the other ranks must have sampled
             self.last_tokens = {
                 c.request.request_id: t.token_id
@@ -472,3 +508,14 @@ class EngineCore:
         ``GPUModelRunner.execute_dummy``)."""
         with self.runner.on_stream():
             self.runner.execute_dummy()
+
+
+def _advance_grammar(request: Request, token_id: int) -> None:
+    """The request's matcher takes its new token; a complete grammar ends
+    the request (its stop token is in), as does a token the grammar refuses
+    (sampled from an all-masked row: the stop token banned by
+    ``min_tokens`` where only it fits), which aborts it."""
+    if not request.grammar.accept_token(token_id):
+        request.finish("abort")
+    elif request.grammar.is_terminated() and request.finish_reason is None:
+        request.finish("stop")

@@ -3,7 +3,8 @@
 Each row's logit bias is added first; penalized rows then get their
 presence, frequency and repetition penalties from the tokens of their
 prompt and output so far (:class:`TokenHistory`), and the tokens a row may
-not sample yet (its stop tokens before ``min_tokens``) are masked. Greedy rows take the
+not sample yet (its stop tokens before ``min_tokens``) or at all (outside
+its grammar: :class:`TokenMasks`) are masked. Greedy rows take the
 argmax. Random rows divide by their temperature, keep the ``top_k`` most
 likely tokens, the smallest set whose probability reaches ``top_p`` and
 those of at least ``min_p`` times the top probability, and draw from what
@@ -46,16 +47,27 @@ class TokenHistory:
     pending: torch.Tensor | None = None
 
 
+@dataclass
+class TokenMasks:
+    """The tokens some rows may sample: ``bitmask`` [len(rows), ceil(V / 32)]
+    int32 on the logits' device, token t allowed where bit t % 32 of word
+    t // 32 is set (xgrammar's layout)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+
 def adjusted_logits(
     logits: torch.Tensor,
     params: list[SamplingParams],
     history: TokenHistory | None,
     banned: dict[int, list[int]] | None = None,
+    masks: TokenMasks | None = None,
 ) -> torch.Tensor:
     """fp32 ``logits`` [R, V] with each row's logit bias then penalties
-    applied (vLLM's order) and its ``banned`` tokens at -inf, for the batch
-    at once (a copy: the raw logits give logprobs); ``history`` is needed
-    where a row has penalties."""
+    applied (vLLM's order), its ``banned`` tokens and those its mask leaves
+    out at -inf, for the batch at once (a copy: the raw logits give
+    logprobs); ``history`` is needed where a row has penalties."""
     vocab, device = logits.shape[1], logits.device
     out = logits.to(torch.float32, copy=True)
     biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
@@ -78,6 +90,12 @@ def adjusted_logits(
         if any(not 0 <= token < vocab for ids in banned.values() for token in ids):
             raise ValueError(f"banned: expected token ids in [0, {vocab})")
         out.view(-1).index_fill_(0, to_device(cells, torch.long, device), -torch.inf)
+    if masks is not None:
+        rows = to_device(masks.rows, torch.long, device)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = (masks.bitmask[:, :, None] >> shifts) & 1
+        allowed = bits.view(len(masks.rows), -1)[:, :vocab].bool()
+        out[rows] = out[rows].masked_fill(~allowed, -torch.inf)
     return out
 
 
@@ -223,20 +241,22 @@ def sample_async(
     generator: torch.Generator | None = None,
     history: TokenHistory | None = None,
     banned: dict[int, list[int]] | None = None,
+    masks: TokenMasks | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [R, V], left on the device with its
     host copy under way; ``generators[i]`` draws row i's randomness (None:
     ``generator``'s, the engine's; None: the global generator's);
     ``history``: the rows' tokens, needed when a row has penalties;
-    ``banned``: tokens rows may not sample (by row)."""
+    ``banned``: tokens rows may not sample (by row); ``masks``: the only
+    tokens some rows may sample."""
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(
             f"params/generators: expected {logits.shape[0]} each (one per row), "
             f"got {len(params)}/{len(generators)}"
         )
     scores = logits
-    if banned or any(p.penalized or p.logit_bias for p in params):
-        scores = adjusted_logits(logits, params, history, banned)
+    if banned or masks or any(p.penalized or p.logit_bias for p in params):
+        scores = adjusted_logits(logits, params, history, banned, masks)
     tokens = scores.argmax(dim=-1)  # greedy rows; random rows replaced below
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:

@@ -1,0 +1,179 @@
+"""Grammars on the tiny checkpoint's locally trained tokenizer: the masks
+against a brute-force oracle, the errors, and whole generations (random
+weights: only the grammar makes the outputs valid)."""
+
+import json
+import re
+from dataclasses import replace
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader.tiny_checkpoint import (
+    build_tiny_checkpoint,
+    train_tokenizer,
+)
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.workspace import reset_workspace_manager
+
+VOCAB = 320
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    return StructuredOutputManager(tokenizer, VOCAB + 7)  # logits padded
+
+
+def allowed(masks, i: int, vocab: int) -> set[int]:
+    words = masks.bitmask[i].tolist()
+    return {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
+
+
+def test_masks_allow_exactly_the_tokens_that_continue_a_choice(tokenizer, manager):
+    choices = ["import json", 'say "hi"\\', "imp"]
+    matcher = manager.matcher(StructuredOutputsParams(choice=choices))
+    text = ""
+    for step in range(4):
+        masks = manager.token_masks([None, matcher], device=torch_cpu())
+        assert masks is not None and masks.rows == [1]
+        want = {
+            t
+            for t in range(VOCAB)
+            if (piece := tokenizer.decode([t]))
+            and any(c.startswith(text + piece) for c in choices)
+        }
+        got = allowed(masks, 0, VOCAB + 7)
+        if step and text in choices:
+            want.add(tokenizer.eos_token_id)  # a choice may end here
+        assert got == want, step
+        token = min(want - {tokenizer.eos_token_id})  # walk some path
+        assert matcher.accept_token(token)
+        text += tokenizer.decode([token])
+    assert manager.token_masks([None, None], torch_cpu()) is None
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ({"regex": "[0-9"}, r"^structured_outputs\.regex: Regex parsing error at"),
+        ({"json": "{not json"}, r"^structured_outputs\.json: "),
+        ({"json": {"type": "nonsense"}}, r"^structured_outputs\.json: Unsupported"),
+        ({"grammar": "root ::= "}, r"^structured_outputs\.grammar: EBNF parser"),
+    ],
+)
+def test_bad_grammars_are_named(manager, spec, error):
+    with pytest.raises(ValueError, match=error):
+        manager.matcher(StructuredOutputsParams(**spec))
+
+
+def test_params_hold_exactly_one_grammar():
+    for spec in ({}, {"regex": "a", "choice": ["a"]}, {"json_object": False}):
+        with pytest.raises(ValueError, match="structured_outputs: expected exactly"):
+            StructuredOutputsParams(**spec)
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice: expected"):
+        StructuredOutputsParams(choice=["a", ""])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_structured")
+    build_tiny_checkpoint(path)
+    return path
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generations_match_their_grammars(checkpoint, tokenizer, async_scheduling):
+    reset_workspace_manager()
+    llm = LLM(
+        checkpoint, dtype="float32", device="cpu", max_model_len=96,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    choices = ["yes", "no", 'maybe "so"']
+    specs = [
+        StructuredOutputsParams(choice=choices),
+        StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    ]
+    prompts = ["x = 1", "def f(x):", [5, 6, 7]]
+    params = [
+        SamplingParams(
+            n=3, temperature=1.0, seed=i, max_tokens=60, structured_outputs=s
+        )
+        for i, s in enumerate(specs)
+    ]
+    # any object: a random model's keys and strings need not end, a bias on
+    # "}" closes it (at the first place the grammar allows)
+    params[3] = replace(
+        params[3], logit_bias={tokenizer.convert_tokens_to_ids("}"): 30.0}
+    )
+    # every grammar and a free request in one batch
+    outs = llm.generate(
+        [p for p in prompts for _ in specs] + ["x"],
+        [*params * 3, SamplingParams(max_tokens=4)],
+    )
+    for out in outs[:-1]:
+        for seq in out.outputs:
+            assert seq.finish_reason == "stop", seq  # each grammar completed
+    texts = [[s.text for s in out.outputs] for out in outs[:-1]]
+    for i, spec in enumerate(specs):
+        for text in (t for p in range(3) for t in texts[p * 4 + i]):
+            if spec.choice:
+                assert text in choices
+            elif spec.regex:
+                assert re.fullmatch(spec.regex, text)
+            elif spec.json:
+                value = json.loads(text)
+                assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+                assert value["n"] in (1, 22, 333)
+            else:
+                assert isinstance(json.loads(text), dict)
+    assert len(outs[-1].outputs[0].token_ids) == 4  # the free one unaffected
+    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex"):
+        llm.generate(
+            ["a", "b"],
+            [
+                SamplingParams(),
+                SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")),
+            ],
+        )
+    assert not llm.engine.has_unfinished_requests()
+    reset_workspace_manager()
+
+
+def test_sync_and_async_scheduling_sample_alike(checkpoint):
+    params = SamplingParams(
+        temperature=1.0, seed=9, max_tokens=40, logprobs=1,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    )  # fmt: skip
+    outputs = []
+    for async_scheduling in (False, True):
+        reset_workspace_manager()
+        llm = LLM(
+            checkpoint, dtype="float32", device="cpu", max_model_len=96,
+            async_scheduling=async_scheduling,
+        )  # fmt: skip
+        (out,) = llm.generate("import json", params)
+        outputs.append(out.outputs[0])
+    sync, overlapped = outputs
+    assert sync.token_ids == overlapped.token_ids and sync.text == overlapped.text
+    assert sync.logprobs is not None and overlapped.logprobs is not None
+    reset_workspace_manager()

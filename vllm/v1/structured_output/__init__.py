@@ -1,0 +1,90 @@
+"""Structured outputs: a request's tokens held to a grammar, with xgrammar
+(vLLM's default backend).
+
+The engine compiles a request's :class:`StructuredOutputsParams` when the
+request is added (a bad schema, regex or grammar is an error naming the
+field; compiled grammars are cached) and gives the request a matcher. Before
+each step samples, the matchers of its rows fill their allowed tokens as a
+packed bitmask, which the sampler applies after bias, penalties and bans
+(log-probs stay the model's). Each resolved token is then accepted by its
+request's matcher. A grammar's next mask depends on the token before it,
+so under async scheduling the engine resolves the step in flight first when
+the next one samples for such a request (those steps do not overlap).
+
+A matcher that terminates (its grammar complete and a stop token accepted)
+finishes its request with "stop" (also under ``ignore_eos``). xgrammar is
+imported with the first such request: an engine that never sees one does not
+need it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.sample.sampler import TokenMasks
+
+_SOURCE = re.compile(r"^(\[[^\]]*\]\s*)?[^\s:]+:\d+:\s*")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        """``vocab_size``: the model's logits' (the tokenizer's may be
+        smaller; the padding is never allowed)."""
+        import xgrammar
+
+        self._xgrammar = xgrammar
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info)
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar."""
+        field, compile_ = self._compile_call(params)
+        try:
+            compiled = compile_()
+        except RuntimeError as e:  # xgrammar's parse and schema errors
+            # its first line, less the "[time] file.cc:line: " of the C++ side
+            message = _SOURCE.sub("", str(e).splitlines()[0])
+            raise ValueError(f"structured_outputs.{field}: {message}") from None
+        return self._xgrammar.GrammarMatcher(compiled)
+
+    def _compile_call(self, params: StructuredOutputsParams) -> tuple[str, Any]:
+        compiler = self._compiler
+        spaced = not params.disable_any_whitespace
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else {"type": "object"}
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            field = "json" if params.json is not None else "json_object"
+            return field, lambda: compiler.compile_json_schema(
+                text, any_whitespace=spaced
+            )
+        if params.regex is not None:
+            regex = params.regex
+            return "regex", lambda: compiler.compile_regex(regex)
+        if params.choice is not None:
+            # JSON string literals are EBNF's (escapes included)
+            ebnf = "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
+            return "choice", lambda: compiler.compile_grammar(ebnf)
+        assert params.grammar is not None  # (exactly one is set)
+        grammar = params.grammar
+        return "grammar", lambda: compiler.compile_grammar(grammar)
+
+    def token_masks(
+        self, matchers: list[Any | None], device: torch.device
+    ) -> TokenMasks | None:
+        """The allowed tokens of the rows whose request has a matcher, or
+        None when no row has one."""
+        active = [(row, m) for row, m in enumerate(matchers) if m is not None]
+        if not active:
+            return None
+        bitmask = self._xgrammar.allocate_token_bitmask(len(active), self.vocab_size)
+        for i, (_, matcher) in enumerate(active):
+            matcher.fill_next_token_bitmask(bitmask, i)
+        if device.type == "cuda":  # a pinned copy: no stream sync
+            bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+        return TokenMasks([row for row, _ in active], bitmask)
