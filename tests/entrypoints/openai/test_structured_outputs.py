@@ -122,6 +122,7 @@ def test_bad_formats_are_400s_naming_the_field(client, body, param, message):
             model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=body
         )
     error = info.value.body
+    assert isinstance(error, dict)
     assert error["param"] == param and message in error["message"], error
     # the server goes on serving
     ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
