@@ -4,8 +4,9 @@ conversation that carries earlier calls and their results, answers a reply
 that calls nothing as plain content, and one that calls as ``tool_calls``,
 streamed or not. The tiny model's random reply calls no tool, so a second
 checkpoint's tokenizer holds a whole call as one added token, which a
-``logit_bias`` makes the reply. The choices the server cannot honour are
-400s naming ``tool_choice``."""
+``logit_bias`` makes the reply. ``tool_choice`` "required" or a named
+function holds any reply to JSON calls (no parser needed). The choices the
+server cannot honour are 400s naming ``tool_choice``."""
 
 import json
 from collections.abc import Iterator
@@ -138,10 +139,16 @@ def _status(server: RemoteOpenAIServer, **body: object) -> tuple[int, str | None
 
 
 def test_choices_it_cannot_honour_are_named(tool_server, server):
-    named = {"type": "function", "function": {"name": "get_weather"}}
+    unknown = {"type": "function", "function": {"name": "get_time"}}
     for body in (
-        {"messages": ASK, "tools": TOOLS, "tool_choice": "required"},
-        {"messages": ASK, "tools": TOOLS, "tool_choice": named},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": unknown},
+        {"messages": ASK, "tool_choice": "required"},  # no tools to call
+        {
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
         {"messages": ASK, "tool_choice": "auto"},  # no tools to call
         {"messages": ASK, "tools": TOOLS, "tool_choice": "bogus"},
         {"messages": ASK, "tools": TOOLS, "tool_choice": {}},
@@ -231,3 +238,72 @@ def test_parallel_tool_calls_false_keeps_the_first(calling_server, parallel):
         for call in choice.delta.tool_calls or []
     ]
     assert streamed == ([0, 1] if parallel else [0])
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "now"}},  # no parameters: any object
+    {
+        "type": "function",
+        "function": {
+            "name": "convert",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "unit": {"enum": ["C", "F"]},
+                    "round": {"type": "boolean"},
+                },
+                "required": ["unit", "round"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_choices_call_tools_without_a_parser(server, stream):
+    """The tiny model's reply is random: only the grammar makes it calls."""
+    client = server.client()
+    named = {"type": "function", "function": {"name": "convert"}}
+    close = train_tokenizer(TINY_CONFIG["vocab_size"]).convert_tokens_to_ids("}")
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=ASK, tools=FORCED_TOOLS, max_tokens=120, seed=4,
+        # a random model's keys and strings need not end: "}" closes objects
+        logit_bias={str(close): 20},
+    )  # fmt: skip
+    for choice, finish in ((named, "stop"), ("required", "tool_calls")):
+        out = client.chat.completions.create(
+            **kwargs, tool_choice=choice, n=2, stream=stream
+        )
+        if stream:
+            replies = _gather(out, 2)
+        else:
+            replies = [
+                (c.message.tool_calls, c.message.content, c.finish_reason)
+                for c in out.choices
+            ]
+        for calls, content, finish_reason in replies:
+            assert content is None and calls and finish_reason == finish, replies
+            for call in calls:
+                arguments = json.loads(call.function.arguments)
+                assert isinstance(arguments, dict)
+                if choice == named or call.function.name == "convert":
+                    assert call.function.name == "convert"
+                    assert arguments["unit"] in ("C", "F")
+                    assert isinstance(arguments["round"], bool)
+                else:
+                    assert call.function.name == "now"
+
+
+def _gather(chunks, n):
+    """Each streamed choice's calls, content and finish reason."""
+    calls: list[list] = [[] for _ in range(n)]
+    content: list[str | None] = [None] * n
+    finish: list[str | None] = [None] * n
+    for chunk in chunks:
+        for c in chunk.choices:
+            calls[c.index] += c.delta.tool_calls or []
+            if c.delta.content:
+                content[c.index] = (content[c.index] or "") + c.delta.content
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return list(zip(calls, content, finish, strict=True))

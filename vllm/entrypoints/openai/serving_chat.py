@@ -18,9 +18,11 @@ as ``content`` (``null`` while there is none), streamed alike;
 ``tool_calls`` (streamed whole, one delta per call) with finish reason
 ``"tool_calls"`` (also when cut short, as vLLM reports it); ``"none"``
 leaves them in the content; ``parallel_tool_calls: false`` keeps a reply's
-first call only (vLLM's). ``"required"`` and
-a named function would need guided decoding, which this server lacks:
-refused, as is ``"auto"`` without a parser (vLLM's message).
+first call only (vLLM's). ``"required"`` and a named function hold the
+reply to JSON calls by structured outputs (:mod:`~vllm.tool_parsers.
+forced_tool_calls`, no parser needed, no reasoning part: the JSON starts
+the reply); a named call finishes with "stop", as OpenAI's forced calls
+do. ``"auto"`` without a parser is refused (vLLM's message).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -66,6 +69,7 @@ from vllm.reasoning.qwen3_reasoning_parser import (
     ReasoningStream,
     prompt_opens_thinking,
 )
+from vllm.tool_parsers.forced_tool_calls import ForcedCallStream, ForcedToolCalls
 from vllm.tool_parsers.hermes_tool_parser import (
     HermesToolParser,
     ParsedToolCall,
@@ -74,6 +78,8 @@ from vllm.tool_parsers.hermes_tool_parser import (
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 _PROMPT_TAIL_TOKENS = 16  # a closing "<think>\n", however a BPE splits it
+ToolCalls = HermesToolParser | ForcedToolCalls
+CallStream = ToolCallStream | ForcedCallStream
 
 
 def chat_message(
@@ -81,7 +87,7 @@ def chat_message(
     text: str,
     thinking: bool,
     include_reasoning: bool,
-    tool_parser: HermesToolParser | None = None,
+    tool_parser: ToolCalls | None = None,
 ) -> ChatMessage:
     """A whole reply as the response's message (the tool calls come from
     the answer, not the thinking)."""
@@ -109,7 +115,7 @@ def delta_message(
     text: str,
     final: bool,
     include_reasoning: bool,
-    calls: ToolCallStream | None = None,
+    calls: CallStream | None = None,
 ) -> DeltaMessage | None:
     """A streamed reply's new ``text`` as a delta, split by the reasoning
     ``stream`` and the tool ``calls`` stream where given; None while all of
@@ -141,6 +147,10 @@ def delta_message(
     )
 
 
+def _named(tool_parser: ToolCalls | None) -> bool:
+    return isinstance(tool_parser, ForcedToolCalls) and tool_parser.named is not None
+
+
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """A finished reply that called tools finishes with "tool_calls" (cut
     short too, as in vLLM)."""
@@ -160,21 +170,17 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser  # with auto tool choice enabled
 
-    def _tool_parser(self, request: ChatCompletionRequest) -> HermesToolParser | None:
-        """The parser of this request's replies: with tools and choice
-        "auto"; other choices refused by name."""
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolCalls | None:
+        """What reads this request's calls: the server's parser under
+        "auto", forced JSON calls under "required" or a named function."""
         choice = request.tool_choice
         if choice is None:
             choice = "auto" if request.tools else "none"
         if choice == "none":
             return None
-        named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
-        if choice == "required" or named:
-            raise OpenAIError(
-                f"tool_choice: {choice!r} needs guided decoding, which this "
-                'server does not have; expected "auto" or "none"',
-                param="tool_choice",
-            )
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if choice == "required" or isinstance(function, dict):
+            return self._forced_calls(request, function)
         if choice != "auto":
             raise OpenAIError(
                 'tool_choice: expected "none", "auto", "required" or '
@@ -191,6 +197,32 @@ class OpenAIServingChat(OpenAIServing):
             )
         return self.tool_parser
 
+    @staticmethod
+    def _forced_calls(
+        request: ChatCompletionRequest, function: dict[str, Any] | None
+    ) -> ForcedToolCalls:
+        if not request.tools:
+            raise OpenAIError(
+                f"tool_choice: {request.tool_choice!r} needs tools", param="tool_choice"
+            )
+        if request.response_format is not None or request.structured_outputs:
+            raise OpenAIError(
+                "tool_choice: a forced call holds the reply to its JSON; drop "
+                "response_format / structured_outputs",
+                param="tool_choice",
+            )
+        parameters = {t.function.name: t.function.parameters for t in request.tools}
+        named = None
+        if function is not None:
+            named = function.get("name")
+            if named not in parameters:
+                raise OpenAIError(
+                    f"tool_choice: function {named!r} is not one of the tools "
+                    f"{sorted(parameters)}",
+                    param="tool_choice",
+                )
+        return ForcedToolCalls(parameters, named)
+
     async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
         self.models.check(request.model)
         options = self.check_stream_options(request)
@@ -199,6 +231,9 @@ class OpenAIServingChat(OpenAIServing):
                 "top_logprobs: only allowed with logprobs=true", param="top_logprobs"
             )
         tool_parser = self._tool_parser(request)
+        forced = tool_parser if isinstance(tool_parser, ForcedToolCalls) else None
+        # a forced call's JSON starts the reply: no thinking to split off
+        reasoning = None if forced else self.reasoning_parser
         prompt = await off_the_loop(self.chat_prompt_ids, request.messages, request)
         renames = {"prompt": "messages", **structured_renames(request)}
         max_tokens = request.max_tokens
@@ -206,8 +241,15 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
         top = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, prompt, max_tokens, top, "messages")
-        thinking = self.reasoning_parser is not None and prompt_opens_thinking(
+        params = self.sampling_params(
+            request,
+            prompt,
+            max_tokens,
+            top,
+            "messages",
+            structured=forced.structured_outputs if forced else None,
+        )
+        thinking = reasoning is not None and prompt_opens_thinking(
             self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
         )
         stream = await self.admit([prompt], [params], renames)
@@ -219,13 +261,14 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.stream:
             events = self._events(
-                stream, response, prompt, request, options, top, thinking, tool_parser
-            )
+                stream, response, prompt, request, options, top, reasoning,
+                thinking, tool_parser,
+            )  # fmt: skip
             return sse_response(events, stream)
         choices = await collect(stream, request.n)
         messages = [
             chat_message(
-                self.reasoning_parser,
+                reasoning,
                 choice.text or "",
                 thinking,
                 request.include_reasoning,
@@ -248,7 +291,8 @@ class OpenAIServingChat(OpenAIServing):
                     if top is None
                     else self._logprobs(choice.token_ids, choice.logprobs, top),
                     finish_reason=_finish_reason(
-                        choice.finish_reason, bool(message.tool_calls)
+                        choice.finish_reason,
+                        bool(message.tool_calls) and not _named(tool_parser),
                     ),
                     stop_reason=choice.stop_reason,
                 )
@@ -293,15 +337,15 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         options: StreamOptions,
         top: int | None,
+        parser: Qwen3ReasoningParser | None,
         thinking: bool,
-        tool_parser: HermesToolParser | None,
+        tool_parser: ToolCalls | None,
     ) -> AsyncIterator[str]:
         event = ChunkEvents(response).event
-        parser = self.reasoning_parser
         splits: list[ReasoningStream | None] = [None] * request.n
         if parser is not None:  # one state per choice
             splits = [parser.stream(thinking) for _ in range(request.n)]
-        calls: list[ToolCallStream | None] = [None] * request.n
+        calls: list[CallStream | None] = [None] * request.n
         if tool_parser is not None:
             calls = [tool_parser.stream() for _ in range(request.n)]
 
@@ -337,7 +381,10 @@ class OpenAIServingChat(OpenAIServing):
                     delta=message or DeltaMessage(content=""),
                     logprobs=logprobs,
                     finish_reason=_finish_reason(
-                        out.finish_reason, called is not None and called.calls > 0
+                        out.finish_reason,
+                        called is not None
+                        and called.calls > 0
+                        and not _named(tool_parser),
                     ),
                     stop_reason=out.stop_reason,
                 )

@@ -238,8 +238,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_field: str,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> list[SamplingParams]:
-        """One per choice (``request.n``)."""
+        """One per choice (``request.n``); ``structured`` holds the output to
+        a grammar of the server's (else the request's own, if any)."""
         if request.stop:
             self.require_tokenizer("stop")
         if max_tokens is None:
@@ -279,7 +281,7 @@ class OpenAIServing:
         try:
             return SamplingParams(
                 **knobs,
-                structured_outputs=structured_outputs(request),
+                structured_outputs=structured or structured_outputs(request),
                 n=request.n,
                 seed=request.seed,
                 max_tokens=max_tokens,
