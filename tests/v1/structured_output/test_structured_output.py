@@ -4,6 +4,7 @@ weights: only the grammar makes the outputs valid)."""
 
 import json
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,9 @@ from vllm.model_executor.model_loader.tiny_checkpoint import (
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.workspace import reset_workspace_manager
+
+# a dependency; the GPU image may lack it (its tests are the CPU's)
+pytest.importorskip("xgrammar")
 
 VOCAB = 320
 SCHEMA = {
@@ -177,3 +181,9 @@ def test_sync_and_async_scheduling_sample_alike(checkpoint):
     assert sync.token_ids == overlapped.token_ids and sync.text == overlapped.text
     assert sync.logprobs is not None and overlapped.logprobs is not None
     reset_workspace_manager()
+
+
+def test_without_xgrammar_such_a_request_is_refused_by_name(tokenizer, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails
+    with pytest.raises(ValueError, match="structured_outputs: needs the xgrammar"):
+        StructuredOutputManager(tokenizer, VOCAB)

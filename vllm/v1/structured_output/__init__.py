@@ -35,8 +35,12 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         """``vocab_size``: the model's logits' (the tokenizer's may be
         smaller; the padding is never allowed)."""
-        import xgrammar
-
+        try:
+            import xgrammar
+        except ImportError:  # (a dependency, but the GPU image may lack it)
+            raise ValueError(
+                "structured_outputs: needs the xgrammar package (pip install xgrammar)"
+            ) from None
         self._xgrammar = xgrammar
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
