@@ -113,15 +113,13 @@ class Request:
 
     def resolve_token(
         self, token_id: int, logprob: float, top: dict[int, float]
-    ) -> bool:
-        """The oldest pending token, now on the host: appended (True),
-        unless the request finished meanwhile (an abort, a stop: the step
-        that sampled it computed past the end, and its token is dropped)."""
+    ) -> None:
+        """The oldest pending token, now on the host: appended, unless the
+        request finished meanwhile (an abort, a stop: the step that sampled
+        it computed past the end, and its token is dropped)."""
         self.num_pending_tokens -= 1
-        if self.status is RequestStatus.FINISHED:
-            return False
-        self.append_token(token_id, logprob, top)
-        return True
+        if self.status is not RequestStatus.FINISHED:
+            self.append_token(token_id, logprob, top)
 
     def append_token(
         self, token_id: int, logprob: float, top: dict[int, float]

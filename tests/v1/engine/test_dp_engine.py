@@ -20,6 +20,7 @@ import torch.distributed as dist
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe.prepare_finalize import ALL2ALL_BACKENDS
 from vllm.model_executor.model_loader.tiny_checkpoint import build_tiny_checkpoint
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.config import EngineConfig
 from vllm.v1.engine.core import EngineCore
@@ -108,6 +109,17 @@ class TestLockstep:
                 await engine.shutdown()
 
         assert asyncio.run(run()) == reference
+
+    def test_a_grammar_it_cannot_run_is_refused_on_rank_0(self, dp_llm, reference):
+        """The second prompt would go to rank 1; the error (this checkpoint
+        has no tokenizer to compile with) comes before any rank runs it."""
+        spec = StructuredOutputsParams(regex="[0-9]+")
+        grammar = SamplingParams(max_tokens=2, structured_outputs=spec)
+        with pytest.raises(
+            ValueError, match=r"prompts\[1\]: structured_outputs: needs the tokenizer"
+        ):
+            dp_llm.generate(PROMPTS[:2], [PARAMS[0], grammar])
+        assert token_ids(dp_llm, PROMPTS, PARAMS) == reference  # every rank serves
 
     def test_an_aborted_request_frees_its_blocks(self, dp_llm):
         engine = dp_engine(dp_llm)

@@ -313,6 +313,12 @@ def test_token_masks_confine_their_rows_and_logprobs_stay_raw():
     masks = TokenMasks(list(range(300)), pack([keep] * 300, 70))
     drawn = sample_async(rows, [rand] * 300, [gen] * 300, masks=masks).tolist()
     assert {t.token_id for t in drawn} == keep  # all of them, nothing else
+    # a row whose mask and bans leave nothing gets its bans lifted
+    only = TokenMasks([0, 1], pack([{7}, {7, 8}], 70))
+    stuck, free = sample_async(
+        logits[:2], [greedy, greedy], [None] * 2, banned={0: [7], 1: [7]}, masks=only
+    ).tolist()
+    assert (stuck.token_id, free.token_id) == (7, 8)
 
 
 @pytest.mark.gpu

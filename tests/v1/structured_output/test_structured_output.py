@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.tiny_checkpoint import (
@@ -50,7 +51,7 @@ def test_masks_allow_exactly_the_tokens_that_continue_a_choice(tokenizer, manage
     matcher = manager.matcher(StructuredOutputsParams(choice=choices))
     text = ""
     for step in range(4):
-        masks = manager.token_masks([None, matcher], device=torch_cpu())
+        masks = manager.token_masks([None, matcher], torch.device("cpu"))
         assert masks is not None and masks.rows == [1]
         want = {
             t
@@ -65,13 +66,7 @@ def test_masks_allow_exactly_the_tokens_that_continue_a_choice(tokenizer, manage
         token = min(want - {tokenizer.eos_token_id})  # walk some path
         assert matcher.accept_token(token)
         text += tokenizer.decode([token])
-    assert manager.token_masks([None, None], torch_cpu()) is None
-
-
-def torch_cpu():
-    import torch
-
-    return torch.device("cpu")
+    assert manager.token_masks([None, None], torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize(
@@ -187,3 +182,22 @@ def test_without_xgrammar_such_a_request_is_refused_by_name(tokenizer, monkeypat
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails
     with pytest.raises(ValueError, match="structured_outputs: needs the xgrammar"):
         StructuredOutputManager(tokenizer, VOCAB)
+
+
+def test_the_grammar_wins_over_min_tokens_and_ignore_eos(checkpoint):
+    """Where only the stop token fits, min_tokens' ban is lifted (never a
+    token outside the grammar); a complete grammar ends the request under
+    ignore_eos too."""
+    reset_workspace_manager()
+    llm = LLM(checkpoint, dtype="float32", device="cpu", max_model_len=96)
+    yes = StructuredOutputsParams(choice=["yes"])
+    for extra in ({"min_tokens": 8}, {"ignore_eos": True}):
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(
+                temperature=temperature, max_tokens=20, structured_outputs=yes,
+                **extra,
+            )  # fmt: skip
+            (out,) = llm.generate("x = 1", params)
+            assert out.outputs[0].text == "yes", (extra, temperature)
+            assert out.outputs[0].finish_reason == "stop"
+    reset_workspace_manager()

@@ -55,7 +55,7 @@ from vllm.utils import to_device
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from vllm.v1.engine.config import EngineConfig
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.sample.prompt_logprobs import (
     MAX_PROMPT_LOGPROBS,
     PromptLogprobsBatch,
@@ -290,11 +290,13 @@ class EngineCore:
 
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` naming the field if this engine's model
-        cannot run ``request`` (its prompt, length, logprobs or logit
-        bias)."""
+        cannot run ``request`` (its prompt, length, logprobs, logit bias or
+        grammar)."""
         params, ids = request.sampling_params, request.prompt_token_ids
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
+        if params.structured_outputs is not None:
+            self._structured_output().compile(params.structured_outputs)
         if params.n != 1:
             raise ValueError(
                 f"n: the engine runs one sequence per request (fan them out with "
@@ -475,11 +477,20 @@ class EngineCore:
         tokens = launched.sampled.tolist()
         for chunk, token in zip(launched.sampling, tokens, strict=True):
             request = chunk.request
-            appended = request.resolve_token(
-                token.token_id, token.logprob, token.top_logprobs
-            )
-            if appended and request.grammar is not None:
-                _advance_grammar(request, token.token_id)
+            grammar = request.grammar
+            live = request.status is not RequestStatus.FINISHED
+            # the grammar takes a token before it is appended: one it
+            # refuses never is
+            if (
+                grammar is not None
+                and live
+                and not grammar.accept_token(token.token_id)
+            ):
+                request.finish("abort")
+            request.resolve_token(token.token_id, token.logprob, token.top_logprobs)
+            done = grammar is not None and request.finish_reason is None
+            if done and grammar.is_terminated():  # its stop token is in
+                request.finish("stop")  # (under ignore_eos too)
         if self.tp_group is not None:  # what the other ranks must have sampled
             self.last_tokens = {
                 c.request.request_id: t.token_id
@@ -508,14 +519,3 @@ class EngineCore:
         ``GPUModelRunner.execute_dummy``)."""
         with self.runner.on_stream():
             self.runner.execute_dummy()
-
-
-def _advance_grammar(request: Request, token_id: int) -> None:
-    """The request's matcher takes its new token; a complete grammar ends
-    the request (its stop token is in), as does a token the grammar refuses
-    (sampled from an all-masked row: the stop token banned by
-    ``min_tokens`` where only it fits), which aborts it."""
-    if not request.grammar.accept_token(token_id):
-        request.finish("abort")
-    elif request.grammar.is_terminated() and request.finish_reason is None:
-        request.finish("stop")

@@ -65,9 +65,10 @@ def adjusted_logits(
     masks: TokenMasks | None = None,
 ) -> torch.Tensor:
     """fp32 ``logits`` [R, V] with each row's logit bias then penalties
-    applied (vLLM's order), its ``banned`` tokens and those its mask leaves
-    out at -inf, for the batch at once (a copy: the raw logits give
-    logprobs); ``history`` is needed where a row has penalties."""
+    applied (vLLM's order), the tokens its mask leaves out and its
+    ``banned`` ones at -inf (unless that leaves none: then the banned ones
+    stay), for the batch at once (a copy: the raw logits give logprobs);
+    ``history`` is needed where a row has penalties."""
     vocab, device = logits.shape[1], logits.device
     out = logits.to(torch.float32, copy=True)
     biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
@@ -85,17 +86,30 @@ def adjusted_logits(
         if history is None:
             raise ValueError("history: expected the rows' tokens for their penalties")
         _apply_penalties(out, params, history)
+    if masks is not None:
+        rows = to_device(masks.rows, torch.long, device)
+        # token t is bit t % 8 of byte t // 8 of the (little-endian) words
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        bits = (masks.bitmask.view(torch.uint8)[:, :, None] >> shifts) & 1
+        masked = out.index_select(0, rows)
+        masked.masked_fill_(bits.view(len(masks.rows), -1)[:, :vocab] == 0, -torch.inf)
+        out.index_copy_(0, rows, masked)
     if banned:
         cells = [row * vocab + token for row, ids in banned.items() for token in ids]
         if any(not 0 <= token < vocab for ids in banned.values() for token in ids):
             raise ValueError(f"banned: expected token ids in [0, {vocab})")
-        out.view(-1).index_fill_(0, to_device(cells, torch.long, device), -torch.inf)
-    if masks is not None:
-        rows = to_device(masks.rows, torch.long, device)
-        shifts = torch.arange(32, dtype=torch.int32, device=device)
-        bits = (masks.bitmask[:, :, None] >> shifts) & 1
-        allowed = bits.view(len(masks.rows), -1)[:, :vocab].bool()
-        out[rows] = out[rows].masked_fill(~allowed, -torch.inf)
+        index = to_device(cells, torch.long, device)
+        kept = out.view(-1)[index]
+        out.view(-1).index_fill_(0, index, -torch.inf)
+        if masks is not None:
+            # a row that its mask and bans leave without a token gets the
+            # banned ones back: the grammar wins (its stop token, say, over
+            # min_tokens)
+            rows = to_device(list(banned), torch.long, device)
+            dead = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+            dead[rows] = torch.isneginf(out.index_select(0, rows)).all(-1)
+            restored = torch.where(dead[index // vocab], kept, -torch.inf)
+            out.view(-1).index_copy_(0, index, restored)
     return out
 
 

@@ -1,15 +1,20 @@
 """Structured outputs: a request's tokens held to a grammar, with xgrammar
 (vLLM's default backend).
 
-The engine compiles a request's :class:`StructuredOutputsParams` when the
-request is added (a bad schema, regex or grammar is an error naming the
-field; compiled grammars are cached) and gives the request a matcher. Before
+The engine compiles a request's :class:`StructuredOutputsParams` when it
+checks the request (a bad schema, regex or grammar is an error naming the
+field, on the rank that admits requests; compiled grammars are cached, up
+to 512 MiB) and gives the request a matcher when it is added. Compiling
+runs in the engine's loop (a large schema holds a step back once). Before
 each step samples, the matchers of its rows fill their allowed tokens as a
 packed bitmask, which the sampler applies after bias, penalties and bans
-(log-probs stay the model's). Each resolved token is then accepted by its
-request's matcher. A grammar's next mask depends on the token before it,
-so under async scheduling the engine resolves the step in flight first when
-the next one samples for such a request (those steps do not overlap).
+(log-probs stay the model's; a row left with no token gets its banned ones
+back: the grammar wins over ``min_tokens``). Each resolved token is
+accepted by its request's matcher before it is appended: a token the
+grammar refuses is never part of the output (the request aborts). A
+grammar's next mask depends on the token before it, so under async
+scheduling the engine resolves the step in flight first when the next one
+samples for such a request (those steps do not overlap).
 
 A matcher that terminates (its grammar complete and a stop token accepted)
 finishes its request with "stop" (also under ``ignore_eos``). xgrammar is
@@ -28,6 +33,8 @@ import torch
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.sample.sampler import TokenMasks
 
+# compiled grammars kept (vLLM's default: a long-running server sees many)
+CACHE_LIMIT_BYTES = 512 << 20
 _SOURCE = re.compile(r"^(\[[^\]]*\]\s*)?[^\s:]+:\d+:\s*")
 
 
@@ -44,18 +51,24 @@ class StructuredOutputManager:
         self._xgrammar = xgrammar
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(info)
+        self._compiler = xgrammar.GrammarCompiler(
+            info, cache_limit_bytes=CACHE_LIMIT_BYTES
+        )
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar."""
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """``params``' grammar compiled (from the cache after the first
+        time), or a ``ValueError`` naming the field."""
         field, compile_ = self._compile_call(params)
         try:
-            compiled = compile_()
+            return compile_()
         except RuntimeError as e:  # xgrammar's parse and schema errors
             # its first line, less the "[time] file.cc:line: " of the C++ side
             message = _SOURCE.sub("", str(e).splitlines()[0])
             raise ValueError(f"structured_outputs.{field}: {message}") from None
-        return self._xgrammar.GrammarMatcher(compiled)
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar."""
+        return self._xgrammar.GrammarMatcher(self.compile(params))
 
     def _compile_call(self, params: StructuredOutputsParams) -> tuple[str, Any]:
         compiler = self._compiler
