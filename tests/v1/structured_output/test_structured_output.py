@@ -158,23 +158,39 @@ def test_generations_match_their_grammars(checkpoint, tokenizer, async_schedulin
     reset_workspace_manager()
 
 
-def test_sync_and_async_scheduling_sample_alike(checkpoint):
-    params = SamplingParams(
-        temperature=1.0, seed=9, max_tokens=40, logprobs=1,
-        structured_outputs=StructuredOutputsParams(json=SCHEMA),
-    )  # fmt: skip
-    outputs = []
-    for async_scheduling in (False, True):
+def test_async_scheduling_and_preemption_change_no_token(checkpoint):
+    """Grammar and free requests together, seeded: the same tokens with the
+    step in flight resolved early, and recomputed after preemptions (8 KV
+    blocks for ~500 tokens)."""
+    regex = StructuredOutputsParams(regex=r"[a-z]{3,12}-[0-9]{2,9}")
+    schema = StructuredOutputsParams(json=SCHEMA)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=40,
+            logprobs=1,
+            structured_outputs=(None, regex, schema)[i % 3],
+        )
+        for i in range(8)
+    ]
+    prompts = [[5 + i] * (10 + 3 * i) for i in range(8)]
+    runs = []
+    for engine_args in (
+        {},
+        {"async_scheduling": True},
+        {"async_scheduling": True, "num_kv_blocks": 8},
+    ):
         reset_workspace_manager()
         llm = LLM(
             checkpoint, dtype="float32", device="cpu", max_model_len=96,
-            async_scheduling=async_scheduling,
+            **engine_args,
         )  # fmt: skip
-        (out,) = llm.generate("import json", params)
-        outputs.append(out.outputs[0])
-    sync, overlapped = outputs
-    assert sync.token_ids == overlapped.token_ids and sync.text == overlapped.text
-    assert sync.logprobs is not None and overlapped.logprobs is not None
+        outs = llm.generate(prompts, params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].text) for o in outs])
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    for _, text in runs[0][1::3]:
+        assert re.fullmatch(regex.regex or "", text)
     reset_workspace_manager()
 
 

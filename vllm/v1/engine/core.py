@@ -363,14 +363,9 @@ class EngineCore:
         ``async_scheduling`` the step is launched and the one before it
         resolved: the host schedules and fills step N + 1 while the GPU
         still runs step N, and the requests returned finished in step N."""
-        finished = None
-        if self._in_flight is not None and any(
-            c.request.grammar is not None for c in self._in_flight.sampling
-        ):  # a grammar's next mask needs the token in flight: resolved first
-            finished, self._in_flight = self._resolve(self._in_flight), None
         chunks = self.scheduler.schedule()
         self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
-        launched = self._launch(chunks) if chunks else None
+        launched, finished = self._launch(chunks) if chunks else (None, None)
         if not self.config.async_scheduling:
             return self._resolve(launched) if launched else self._stalled()
         previous, self._in_flight = self._in_flight, launched
@@ -385,7 +380,13 @@ class EngineCore:
             raise RuntimeError("scheduler: requests wait but none can run")
         return []
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
+    def _launch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[_Launched, list[Request] | None]:
+        """The step's forward and sampling queued on the device; and where
+        its grammar rows' masks needed the step in flight's tokens, that
+        step resolved (while this one's forward runs) and its finished
+        requests."""
         sampling = [c for c in chunks if c.samples]
         params = [c.request.sampling_params for c in sampling]
         rows, prompt_rows = prompt_rows_of(chunks)
@@ -400,14 +401,20 @@ class EngineCore:
                 )
             else:
                 logits = self.runner.execute(chunks, self.pool)
+            finished, masks = None, None
+            grammars = [c.request.grammar for c in sampling]
+            if self._in_flight is not None and any(g is not None for g in grammars):
+                # a grammar's next mask needs the token before it
+                finished, self._in_flight = self._resolve(self._in_flight), None
+            if self._structured is not None:
+                live = [  # (a request that finished there samples in vain)
+                    None if c.request.status is RequestStatus.FINISHED else g
+                    for c, g in zip(sampling, grammars, strict=True)
+                ]
+                masks = self._structured.token_masks(live, logits.device)
             history = None
             if any(p.penalized for p in params):
                 history = self._token_history([c.request for c in sampling])
-            masks = None
-            if self._structured is not None:
-                masks = self._structured.token_masks(
-                    [c.request.grammar for c in sampling], logits.device
-                )
             sampled = sample_async(
                 logits,
                 params,
@@ -425,7 +432,7 @@ class EngineCore:
             self.runner.remember_sampled(
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
-        return _Launched(chunks, sampling, sampled, done, prompt_logprobs)
+        return _Launched(chunks, sampling, sampled, done, prompt_logprobs), finished
 
     @staticmethod
     def _banned(requests: list[Request]) -> dict[int, list[int]]:

@@ -13,8 +13,9 @@ back: the grammar wins over ``min_tokens``). Each resolved token is
 accepted by its request's matcher before it is appended: a token the
 grammar refuses is never part of the output (the request aborts). A
 grammar's next mask depends on the token before it, so under async
-scheduling the engine resolves the step in flight first when the next one
-samples for such a request (those steps do not overlap).
+scheduling a step that samples for such a request resolves the step in
+flight once its own forward is queued: the device runs that forward while
+the host waits for the tokens and fills the masks (only its sampling waits).
 
 A matcher that terminates (its grammar complete and a stop token accepted)
 finishes its request with "stop" (also under ``ignore_eos``). xgrammar is
