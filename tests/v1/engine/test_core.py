@@ -170,6 +170,33 @@ def test_async_a_request_preempted_with_its_last_token_in_flight_ends(
     assert serve(True, by_stop)["b"] == ([first], "stop")
 
 
+def test_async_an_id_reused_while_its_old_request_is_in_flight(engine_factory):
+    """A request returned as finished may still be in the step in flight
+    (that step sampled past its end); a new request may take its id at
+    once, and that step's end must not retire the new one."""
+    engine = engine_factory(async_scheduling=True)
+    stop_at_once = SamplingParams(max_tokens=10, stop_token_ids=list(range(320)))
+    old = Request("a", [5, 6, 7], stop_at_once)
+    other = Request("b", [8, 9], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request(old)
+    engine.add_request(other)
+    new = None
+    while new is None:
+        if any(r is old for r in engine.step()):
+            assert engine._in_flight is not None  # it still holds the old one
+            assert old in [c.request for c in engine._in_flight.chunks]
+            new = Request(
+                "a", [5, 6, 7, 8], SamplingParams(max_tokens=5, ignore_eos=True)
+            )
+            engine.add_request(new)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert new in finished and other in finished
+    assert len(new.output_token_ids) == 5 and new.finish_reason == "length"
+    assert engine.stats().kv_cache_usage == 0
+
+
 def test_async_scheduling_is_on_for_one_gpu_rank_and_refuses_tp_and_dbo(
     checkpoint,
 ):

@@ -184,8 +184,11 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.FINISHED:
                 continue
-            if self._queued.pop(request.request_id, None) is None:
-                continue  # finished and removed meanwhile (an abort)
+            if self._queued.get(request.request_id) is not request:
+                # finished and removed meanwhile (an abort), its id perhaps
+                # taken since by a new request
+                continue
+            del self._queued[request.request_id]
             if request in self.running:
                 self.running.remove(request)
             else:  # preempted while this step (its last token) was in flight

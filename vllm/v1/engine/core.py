@@ -403,8 +403,10 @@ class EngineCore:
                 logits = self.runner.execute(chunks, self.pool)
             finished, masks = None, None
             grammars = [c.request.grammar for c in sampling]
-            if self._in_flight is not None and any(g is not None for g in grammars):
-                # a grammar's next mask needs the token before it
+            if self._in_flight is not None and any(
+                g is not None and c.request.num_pending_tokens > 1
+                for c, g in zip(sampling, grammars, strict=True)
+            ):  # a grammar's next mask needs the token in flight
                 finished, self._in_flight = self._resolve(self._in_flight), None
             if self._structured is not None:
                 live = [  # (a request that finished there samples in vain)
@@ -482,6 +484,7 @@ class EngineCore:
             for rows, entries in launched.prompt_logprobs.tolist():
                 rows.request.add_prompt_logprobs(rows.first_token, entries)
         tokens = launched.sampled.tolist()
+        refused = set()
         for chunk, token in zip(launched.sampling, tokens, strict=True):
             request = chunk.request
             grammar = request.grammar
@@ -494,14 +497,16 @@ class EngineCore:
                 and not grammar.accept_token(token.token_id)
             ):
                 request.finish("abort")
+                refused.add(request.request_id)
             request.resolve_token(token.token_id, token.logprob, token.top_logprobs)
             done = grammar is not None and request.finish_reason is None
             if done and grammar.is_terminated():  # its stop token is in
                 request.finish("stop")  # (under ignore_eos too)
         if self.tp_group is not None:  # what the other ranks must have sampled
-            self.last_tokens = {
+            self.last_tokens = {  # (a refused token: none, as the ranks report)
                 c.request.request_id: t.token_id
                 for c, t in zip(launched.sampling, tokens, strict=True)
+                if c.request.request_id not in refused
             }
         return self.scheduler.finish_step(launched.chunks)
 
