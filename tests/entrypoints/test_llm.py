@@ -2,6 +2,8 @@
 tokenizer (fp32, CPU)."""
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -338,3 +340,14 @@ def test_the_generation_config_sets_defaults_and_ends_at_its_eos(
     (ignored,) = configured.generate([[1, 2, 3]], greedy)
     assert ignored.outputs[0].token_ids == tokens
     assert greedy.stop_token_ids == []  # the caller's params stay as given
+
+
+def test_generation_imports_without_the_servers_packages():
+    """The GPU image has no pydantic (the server's, and chat's): LLM and
+    its engine must import without it."""
+    code = (
+        "import sys; sys.modules['pydantic'] = None; "
+        "from vllm import LLM, SamplingParams; import vllm.v1.engine.core"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -24,7 +24,6 @@ import itertools
 from pathlib import Path
 from typing import Any, cast
 
-from vllm.entrypoints.chat_utils import chat_options, parse_messages, render_chat
 from vllm.inputs import PromptType, TextPrompt, TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -120,6 +119,13 @@ class LLM:
         (options as the server's chat requests take them), then generated as
         ``generate`` does; one output per conversation, its ``prompt`` the
         rendered text. Errors name the conversation's index."""
+        # (pydantic's, which generation alone does not need)
+        from vllm.entrypoints.chat_utils import (
+            chat_options,
+            parse_messages,
+            render_chat,
+        )
+
         if self.tokenizer is None:
             raise ValueError(
                 "messages: chat needs a tokenizer and its chat template in the "
