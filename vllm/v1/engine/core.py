@@ -499,8 +499,8 @@ class EngineCore:
                 request.finish("abort")
                 refused.add(request.request_id)
             request.resolve_token(token.token_id, token.logprob, token.top_logprobs)
-            done = grammar is not None and request.finish_reason is None
-            if done and grammar.is_terminated():  # its stop token is in
+            running = grammar is not None and request.finish_reason is None
+            if running and grammar.is_terminated():  # its stop token is in
                 request.finish("stop")  # (under ignore_eos too)
         if self.tp_group is not None:  # what the other ranks must have sampled
             self.last_tokens = {  # (a refused token: none, as the ranks report)
