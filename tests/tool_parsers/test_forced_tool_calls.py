@@ -36,6 +36,13 @@ def test_required_is_an_array_of_named_calls():
     assert content is None and [c.name for c in calls] == ["now", "convert"]
     assert [json.loads(c.arguments) for c in calls] == [{}, {"unit": "F"}]
     assert len({c.id for c in calls}) == 2
+    # non-ASCII arguments as written, both ways (as the hermes parser's)
+    for parser, reply in (
+        (forced, '[{"name": "convert", "parameters": {"unit": "°C"}}]'),
+        (ForcedToolCalls(TOOLS, "convert"), '{"unit": "°C"}'),
+    ):
+        _, (call,) = parser.extract(reply)
+        assert call.arguments == '{"unit": "°C"}'
 
 
 def test_a_stream_sends_every_call_at_the_end():

@@ -69,7 +69,9 @@ class ForcedToolCalls:
             arguments = json.dumps(value, ensure_ascii=False)
             return None, [ParsedToolCall(self.named, arguments)]
         calls = [
-            ParsedToolCall(call["name"], json.dumps(call["parameters"]))
+            ParsedToolCall(
+                call["name"], json.dumps(call["parameters"], ensure_ascii=False)
+            )
             for call in value
         ]
         return None, calls
