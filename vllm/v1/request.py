@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -43,8 +44,10 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     # xgrammar's matcher of its structured outputs (the engine's), which
-    # has accepted every appended output token
+    # has accepted every appended output token; while it compiles, the
+    # compile's future (no step samples for the request until then)
     grammar: Any = None
+    compiling: Future[Any] | None = None
     # Prompt tokens found in the prefix cache when it was first scheduled
     # (None before that).
     num_cached_tokens: int | None = None

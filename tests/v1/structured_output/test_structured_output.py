@@ -5,6 +5,7 @@ weights: only the grammar makes the outputs valid)."""
 import json
 import re
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from vllm.model_executor.model_loader.tiny_checkpoint import (
     train_tokenizer,
 )
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.workspace import reset_workspace_manager
 
@@ -79,8 +81,11 @@ def test_masks_allow_exactly_the_tokens_that_continue_a_choice(tokenizer, manage
     ],
 )
 def test_bad_grammars_are_named(manager, spec, error):
+    params = StructuredOutputsParams(**spec)
     with pytest.raises(ValueError, match=error):
-        manager.matcher(StructuredOutputsParams(**spec))
+        manager.validate(params)  # the check, parsing only
+    with pytest.raises(ValueError, match=error):
+        manager.submit(params).result()  # the compile on the worker thread
 
 
 def test_params_hold_exactly_one_grammar():
@@ -216,4 +221,69 @@ def test_the_grammar_wins_over_min_tokens_and_ignore_eos(checkpoint):
             (out,) = llm.generate("x = 1", params)
             assert out.outputs[0].text == "yes", (extra, temperature)
             assert out.outputs[0].finish_reason == "stop"
+    reset_workspace_manager()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_compiling_grammar_holds_back_only_its_own_sample(
+    checkpoint, monkeypatch, async_scheduling
+):
+    """While a grammar compiles (held here until released) its request
+    computes its prompt but the last token and samples nothing; a request
+    behind it in the queue runs to its end; then it finishes as it would
+    have without the wait. A compile that fails aborts only its request."""
+    reset_workspace_manager()
+    llm = LLM(
+        checkpoint, dtype="float32", device="cpu", max_model_len=96,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    engine = llm.engine
+    regex = StructuredOutputsParams(regex=r"[a-z]{3,12}-[0-9]{2,9}")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
+    prompts = {"short": [7], "long": [5, 6, 7] * 9}
+    (unheld,) = llm.generate(
+        [prompts["long"]], replace(params, structured_outputs=regex)
+    )
+
+    release = threading.Event()
+    compile_grammar = StructuredOutputManager.matcher
+
+    def held(manager, grammar):
+        assert release.wait(60)
+        return compile_grammar(manager, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "matcher", held)
+    grammar_requests = {
+        name: Request(name, ids, replace(params, structured_outputs=regex))
+        for name, ids in prompts.items()
+    }
+    free = Request("free", [9, 10], SamplingParams(max_tokens=5))
+    for request in (*grammar_requests.values(), free):
+        engine.add_request(request)
+    while engine.has_unfinished_requests() and free.finish_reason is None:
+        engine.step()
+    assert free.finish_reason == "length" and len(free.output_token_ids) == 5
+    for request in grammar_requests.values():
+        assert not request.output_token_ids and request.num_pending_tokens == 0
+        assert request.num_computed_tokens == len(request.prompt_token_ids) - 1
+    release.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    long = grammar_requests["long"]
+    assert long.output_token_ids == unheld.outputs[0].token_ids
+    text = llm.tokenizer.decode(long.output_token_ids, skip_special_tokens=True)
+    assert re.fullmatch(regex.regex or "", text)
+    assert grammar_requests["short"].finish_reason == "stop"
+
+    def failing(manager, grammar):
+        raise ValueError("structured_outputs.regex: out of memory")
+
+    monkeypatch.setattr(StructuredOutputManager, "matcher", failing)
+    failed = Request("failed", [5], replace(params, structured_outputs=regex))
+    engine.add_request(failed)
+    engine.add_request(free := Request("free", [9, 10], SamplingParams(max_tokens=5)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert failed.finish_reason == "abort" and not failed.output_token_ids
+    assert free.finish_reason == "length"
     reset_workspace_manager()

@@ -3,7 +3,10 @@
 Every step has a token budget (``max_num_batched_tokens``). Running requests
 come first, in the order they were admitted (a resumed request joins last):
 a decoding one needs one token, one still in prefill takes what is left of
-its prompt up to the budget (chunked prefill).
+its prompt up to the budget (chunked prefill). A request whose grammar still
+compiles (structured outputs) computes its prompt but the last token, whose
+step would sample: it waits there, and a waiting one that cannot start
+otherwise lets those behind it pass.
 Then waiting requests join while budget, ``max_num_seqs`` and free KV-cache
 blocks allow. When a running request needs a block and none is free, the
 newest running request is preempted: its blocks are freed and it waits to be
@@ -123,7 +126,9 @@ class Scheduler:
             ):
                 continue
             start = request.num_computed_tokens
-            end = min(request.num_tokens, start + budget)
+            end = self._chunk_end(request, start, budget)
+            if end <= start:  # its grammar still compiles
+                continue
             while self.pool.allocate(request.request_id, end) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,6 +138,7 @@ class Scheduler:
             else:
                 chunks.append(self._scheduled(request, start, end))
                 budget -= end - start
+        held: list[Request] = []  # passed over: their grammars compile
         while (
             self.waiting
             and not preempted  # the freed blocks go to the running first
@@ -145,7 +151,10 @@ class Scheduler:
             wants_rows = request.missing_prompt_logprobs  # every row's logits
             cached = [] if wants_rows else self.pool.cached_prefix(request)
             start = len(cached) * self.pool.block_size
-            end = min(request.num_tokens, start + budget)
+            end = self._chunk_end(request, start, budget)
+            if end <= start:
+                held.append(self.waiting.popleft())
+                continue
             if self.pool.allocate(request.request_id, end, cached) is None:
                 break
             if request.num_cached_tokens is None:  # not a resumed request
@@ -159,10 +168,18 @@ class Scheduler:
             reads = not self._step_blocks.isdisjoint(cached)
             chunks.append(self._scheduled(request, start, end, reads))
             budget -= end - start
+        self.waiting.extendleft(reversed(held))
         if self.config.micro_batched:
             for chunk in chunks:
                 self.pool.cache_blocks(chunk.request, chunk.end)
         return chunks
+
+    @staticmethod
+    def _chunk_end(request: Request, start: int, budget: int) -> int:
+        """Where ``request``'s chunk from ``start`` ends: within the budget,
+        and short of the token that samples while its grammar compiles."""
+        last = request.num_tokens - (request.compiling is not None)
+        return min(last, start + budget)
 
     def _scheduled(
         self, request: Request, start: int, end: int, reads_step_kv: bool = False

@@ -35,6 +35,7 @@ seeded alike).
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,10 @@ from vllm.v1.worker.workspace import (
 )
 
 logger = init_logger(__name__)
+
+# An engine with nothing to run but requests whose grammars compile waits for
+# them this long per step (then looks at its inbox again).
+GRAMMAR_POLL_S = 0.005
 
 BLOCK_SIZE = 16
 
@@ -138,6 +143,7 @@ class EngineCore:
         # must sample alike) stay in step whatever the caller does.
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._structured: StructuredOutputManager | None = None
+        self._compiling: list[Request] = []  # their grammars not yet taken
         num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device, num_ubatches=num_ubatches)
@@ -267,9 +273,12 @@ class EngineCore:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         params = request.sampling_params
         if params.structured_outputs is not None:
-            request.grammar = self._structured_output().matcher(
-                params.structured_outputs
-            )
+            structured = self._structured_output()
+            if self.tp_group is None:
+                request.compiling = structured.submit(params.structured_outputs)
+                self._compiling.append(request)
+            else:  # compiled alike on every rank: their schedules stay equal
+                request.grammar = structured.matcher(params.structured_outputs)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
         self.scheduler.add_request(request)
@@ -296,7 +305,7 @@ class EngineCore:
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
         if params.structured_outputs is not None:
-            self._structured_output().compile(params.structured_outputs)
+            self._structured_output().validate(params.structured_outputs)
         if params.n != 1:
             raise ValueError(
                 f"n: the engine runs one sequence per request (fan them out with "
@@ -363,6 +372,8 @@ class EngineCore:
         ``async_scheduling`` the step is launched and the one before it
         resolved: the host schedules and fills step N + 1 while the GPU
         still runs step N, and the requests returned finished in step N."""
+        if self._compiling:
+            self._take_grammars()
         chunks = self.scheduler.schedule()
         self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
         launched, finished = self._launch(chunks) if chunks else (None, None)
@@ -374,11 +385,33 @@ class EngineCore:
         return finished if finished is not None else self._stalled()
 
     def _stalled(self) -> list[Request]:
-        """Nothing resolved this step: an error if requests wait while no
-        step runs (none can ever be scheduled)."""
-        if self.scheduler.has_unfinished() and self._in_flight is None:
+        """Nothing resolved this step: a short wait where grammars compile
+        (rather than a loop of empty steps), else an error if requests wait
+        while no step runs (none can ever be scheduled)."""
+        if self._compiling:
+            futures = [r.compiling for r in self._compiling if r.compiling]
+            wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
+        elif self.scheduler.has_unfinished() and self._in_flight is None:
             raise RuntimeError("scheduler: requests wait but none can run")
         return []
+
+    def _take_grammars(self) -> None:
+        """Give the requests whose grammars compiled their matchers; one
+        whose compile failed (after its check parsed it) aborts."""
+        compiling = []
+        for request in self._compiling:
+            future = request.compiling
+            assert future is not None
+            if request.status is RequestStatus.FINISHED:
+                request.compiling = None  # aborted meanwhile
+            elif not future.done():
+                compiling.append(request)
+            elif (error := future.exception()) is not None:
+                logger.error("request %s: %s", request.request_id, error)
+                self.scheduler.finish_request(request.request_id, "abort")
+            else:
+                request.grammar, request.compiling = future.result(), None
+        self._compiling = compiling
 
     def _launch(
         self, chunks: list[ScheduledChunk]

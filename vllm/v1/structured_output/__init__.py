@@ -1,11 +1,13 @@
 """Structured outputs: a request's tokens held to a grammar, with xgrammar
 (vLLM's default backend).
 
-The engine compiles a request's :class:`StructuredOutputsParams` when it
+The engine parses a request's :class:`StructuredOutputsParams` when it
 checks the request (a bad schema, regex or grammar is an error naming the
-field, on the rank that admits requests; compiled grammars are cached, up
-to 512 MiB) and gives the request a matcher when it is added. Compiling
-runs in the engine's loop (a large schema holds a step back once). Before
+field, on the rank that admits requests) and compiles it when the request
+is added, on a worker thread (xgrammar releases the GIL): the request's
+prefill runs meanwhile, and only its first sample waits for the grammar,
+so a large schema holds no other request back. Compiled grammars are
+cached, up to 512 MiB. Before
 each step samples, the matchers of its rows fill their allowed tokens as a
 packed bitmask, which the sampler applies after bias, penalties and bans
 (log-probs stay the model's; a row left with no token gets its banned ones
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -55,42 +59,50 @@ class StructuredOutputManager:
         self._compiler = xgrammar.GrammarCompiler(
             info, cache_limit_bytes=CACHE_LIMIT_BYTES
         )
+        # one compile at a time (xgrammar spreads each over threads itself)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """``params``' grammar compiled (from the cache after the first
-        time), or a ``ValueError`` naming the field."""
-        field, compile_ = self._compile_call(params)
-        try:
-            return compile_()
-        except RuntimeError as e:  # xgrammar's parse and schema errors
-            # its first line, less the "[time] file.cc:line: " of the C++ side
-            message = _SOURCE.sub("", str(e).splitlines()[0])
-            raise ValueError(f"structured_outputs.{field}: {message}") from None
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Parse ``params``' grammar (no compile: about a millisecond), or
+        raise a ``ValueError`` naming the field."""
+        field, source, parse, _ = self._grammar(params)
+        _named(field, lambda: parse(source))
+
+    def submit(self, params: StructuredOutputsParams) -> Future[Any]:
+        """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar, compiled
+        (or taken from the cache) on the worker thread."""
+        return self._worker.submit(self.matcher, params)
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar."""
-        return self._xgrammar.GrammarMatcher(self.compile(params))
+        """:meth:`submit`'s work, on the calling thread."""
+        field, source, _, compile_ = self._grammar(params)
+        return self._xgrammar.GrammarMatcher(_named(field, lambda: compile_(source)))
 
-    def _compile_call(self, params: StructuredOutputsParams) -> tuple[str, Any]:
-        compiler = self._compiler
+    def _grammar(
+        self, params: StructuredOutputsParams
+    ) -> tuple[str, str, Callable[[str], Any], Callable[[str], Any]]:
+        """The field ``params`` sets, its grammar's source, and its parse and
+        (cached) compile by xgrammar."""
+        grammar, compiler = self._xgrammar.Grammar, self._compiler
         spaced = not params.disable_any_whitespace
         if params.json is not None or params.json_object:
             schema = params.json if params.json is not None else {"type": "object"}
             text = schema if isinstance(schema, str) else json.dumps(schema)
             field = "json" if params.json is not None else "json_object"
-            return field, lambda: compiler.compile_json_schema(
-                text, any_whitespace=spaced
+            return (
+                field,
+                text,
+                lambda t: grammar.from_json_schema(t, any_whitespace=spaced),
+                lambda t: compiler.compile_json_schema(t, any_whitespace=spaced),
             )
         if params.regex is not None:
-            regex = params.regex
-            return "regex", lambda: compiler.compile_regex(regex)
+            return "regex", params.regex, grammar.from_regex, compiler.compile_regex
         if params.choice is not None:
             # JSON string literals are EBNF's (escapes included)
             ebnf = "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
-            return "choice", lambda: compiler.compile_grammar(ebnf)
+            return "choice", ebnf, grammar.from_ebnf, compiler.compile_grammar
         assert params.grammar is not None  # (exactly one is set)
-        grammar = params.grammar
-        return "grammar", lambda: compiler.compile_grammar(grammar)
+        return "grammar", params.grammar, grammar.from_ebnf, compiler.compile_grammar
 
     def token_masks(
         self, matchers: list[Any | None], device: torch.device
@@ -106,3 +118,13 @@ class StructuredOutputManager:
         if device.type == "cuda":  # a pinned copy: no stream sync
             bitmask = bitmask.pin_memory().to(device, non_blocking=True)
         return TokenMasks([row for row, _ in active], bitmask)
+
+
+def _named(field: str, call: Callable[[], Any]) -> Any:
+    """``call()``, its xgrammar error a ``ValueError`` naming ``field``."""
+    try:
+        return call()
+    except RuntimeError as e:  # xgrammar's parse and schema errors
+        # its first line, less the "[time] file.cc:line: " of the C++ side
+        message = _SOURCE.sub("", str(e).splitlines()[0])
+        raise ValueError(f"structured_outputs.{field}: {message}") from None
