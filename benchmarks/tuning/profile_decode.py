@@ -1,6 +1,10 @@
 """Where a decode step's time goes: the engine step (host + GPU), the CUDA
 graph replay alone, and the GPU kernels of a replay and of an eager step by
-total time (a short table each).
+total time (a short table each). With programmatic dependent launch a
+replay's kernels overlap, so their durations add up to more than the
+replay: the replay's chain table charges each kernel only the time it adds
+past every kernel before it (its end minus the latest end so far), and the
+idle time before it separately; the two columns sum to the replay.
 
 Run on a CUDA device from the repository root::
 
@@ -10,9 +14,11 @@ Run on a CUDA device from the repository root::
 import argparse
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from vllm import LLM
@@ -102,6 +108,7 @@ def main() -> None:
     )
     for title, trace in (("graph replay", replays), ("eager step", prof)):
         print_kernels(title, trace, runs=5)
+    print_chain(replays, runs=5)
 
 
 def print_kernels(title: str, trace: profile, runs: int) -> None:
@@ -119,6 +126,33 @@ def print_kernels(title: str, trace: profile, runs: int) -> None:
         print(f"{name[:64]:<64} {us:9.1f} {calls:6.0f} {us / calls:8.2f}")
     total = f"all {len(kernels)} kernels"
     print(f"{total:<64} {sum(k[1] for k in kernels):9.1f}")
+
+
+def print_chain(trace: profile, runs: int) -> None:
+    """Each kernel's share of ``runs`` graph replays' span: the time its end
+    lies past the latest end before it, and the idle time before its start
+    (the gaps between replays included)."""
+    kernels = sorted(
+        (e for e in trace.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    added: dict[str, float] = defaultdict(float)
+    idle: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    reach = kernels[0].time_range.start if kernels else 0.0
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        idle[e.name] += max(0.0, start - reach) / runs
+        added[e.name] += max(0.0, end - max(reach, start)) / runs
+        calls[e.name] += 1
+        reach = max(reach, end)
+    print(f"critical path of a graph replay (mean of {runs}):")
+    print(f"{'kernel':<56} {'added us':>9} {'idle us':>8} {'per call':>8}")
+    for name in sorted(added, key=lambda n: -(added[n] + idle[n]))[:20]:
+        per_call = (added[name] + idle[name]) * runs / calls[name]
+        print(f"{name[:56]:<56} {added[name]:9.1f} {idle[name]:8.1f} {per_call:8.2f}")
+    total = sum(added.values()) + sum(idle.values())
+    print(f"{'span':<56} {total:9.1f}")
 
 
 if __name__ == "__main__":
