@@ -103,6 +103,17 @@ def _norm_rope(d, device, dtype):
     return norms, rope
 
 
+def _poison_next_allocations(*tensors: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """NaN in CUDA memory where tensors of these shapes and dtypes, allocated
+    in this order, will land (the caching allocator hands the freed blocks
+    back in the same layout)."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    poison = [torch.full(s, float("nan"), dtype=t, device="cuda") for s, t in tensors]
+    del poison
+
+
 def _check_decode_new_kv(device, dtype, lens, heads, kv_heads, d):
     """A decode batch whose keys and values are not yet cached (NaN in
     their slots): the kernel normalizes and rotates q and k, attends to the
@@ -126,6 +137,12 @@ def _check_decode_new_kv(device, dtype, lens, heads, kv_heads, d):
     write_kv_cache(ref_cache, ref_k, v, meta.slot_mapping)
     ref = paged_attention(ref_q.float(), ref_cache.float(), meta, d**-0.5)
     before = qkv.clone()
+    # NaN where the output and the split partials will be allocated: the
+    # combine must not read the partials of empty splits (never written)
+    splits = num_kv_splits(tokens, kv_heads, 1, q.device)
+    _poison_next_allocations(
+        ((tokens, heads, d), dtype), ((tokens, heads, splits, d), torch.float32)
+    )
 
     out = triton_paged_attention(
         q, cache[0], cache[1], meta.block_table, meta.seq_lens,

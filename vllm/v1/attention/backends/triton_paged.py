@@ -22,13 +22,15 @@ kernel.
 
 In a decode batch (one new token per request) the kernel can also take
 the queries, keys and values as the q/k/v GEMM left them (``DecodeKV``):
-each program normalizes and rotates its group's query heads, and the
-program whose split holds a request's last position normalizes and
-rotates that token's key, stores the key and value in the cache and adds
-them to its softmax itself (the cache slot is not read). That is the
-work of ``qk_norm_rope_``'s launch, which the step then skips. Every key
-such a kernel reads from the cache is then an earlier step's: the first
-tile loads before the PDL wait, while the q/k/v GEMM finishes.
+each program normalizes and rotates its group's query heads and that
+token's key (loaded together: one round trip), and the program whose
+split holds a request's last position stores the key and value in the
+cache and adds them to its softmax itself (the cache slot is not read).
+That is the work of ``qk_norm_rope_``'s launch, which the step then skips.
+Every key such a kernel reads from the cache is then an earlier step's:
+the first tile, the rotation's angles and the cache slot load before the
+PDL wait, while the q/k/v GEMM finishes. A split past a short context
+only marks itself empty for the combine.
 """
 
 from __future__ import annotations
@@ -197,13 +199,23 @@ def _paged_attention_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     if NEW_KV:
-        # Every key read from the cache is an earlier step's: the first
-        # tile streams while the previous kernel finishes.
+        # Every key read from the cache is an earlier step's, and the
+        # positions are the host's: the first tile and the rotation stream
+        # while the previous kernel finishes.
         k_first, v_first = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, seq, tile_lo,
             tl.where(active, cached_len, 0), kv_head, d, d_ok, stride_bt,
             stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N,
         )  # fmt: skip
+        t_new = q_start.to(tl.int64)
+        cos, sin = rope_cos_sin(
+            cos_sin_ptr,
+            stride_sin,
+            tl.load(positions_ptr + t_new, mask=active, other=0),
+            q_ptr.dtype.element_ty,
+            HEAD_DIM,
+        )
+        slot = tl.load(slots_ptr + t_new, mask=active, other=0)
     # The queries and the step's keys are the previous kernel's; the wait
     # (which releases the next kernel) comes before any early exit
     pdl_wait(PDL)
@@ -214,19 +226,32 @@ def _paged_attention_kernel(
     token = q_block * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    t = (q_start + token).to(tl.int64)
+    num_heads = GROUP * tl.num_programs(1)
+    row = (t * num_heads + head) * NUM_SPLITS + split  # of the partials
+    if NUM_SPLITS > 1:  # noqa: SIM102 (Triton: a constexpr test, then a runtime one)
+        if tile_lo >= num_tiles:  # a split past a short context: no keys
+            no_keys = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            tl.store(lse_ptr + row, no_keys, mask=row_ok)
+            return
     q_pos = context + token
     q_row = q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh
     if NEW_KV:  # the request's one token (D_PAD == HEAD_DIM)
-        t_new = q_start.to(tl.int64)
-        cos, sin = rope_cos_sin(
-            cos_sin_ptr,
-            stride_sin,
-            tl.load(positions_ptr + t_new),
-            q_ptr.dtype.element_ty,
-            HEAD_DIM,
-        )
         q_ok = row_ok[:, None]
         q = norm_rope_heads(q_row, q_ok, q_weight_ptr, cos, sin, eps, HEAD_DIM)
+        # The token's own key and value, loaded with the queries (one round
+        # trip) by every split; the one whose tiles hold its position uses them.
+        kv_row = tl.zeros([1, 1], tl.int64)  # one head, as norm_rope_heads takes
+        k_new = norm_rope_heads(
+            kv_row + k_ptr + t_new * stride_kt + kv_head * stride_kh,
+            kv_row == 0,
+            k_weight_ptr,
+            cos,
+            sin,
+            eps,
+            HEAD_DIM,
+        )
+        v_new = tl.load(v_ptr + t_new * stride_vt + kv_head * stride_vh + d[None, :])
     else:
         q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -235,7 +260,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     first = tile_lo
-    if NEW_KV:  # (an empty split's first tile is past the causal limit)
+    if NEW_KV:
         m_i, l_i, acc = _attend_tile(
             q, k_first, v_first, tile_lo, last_cached, m_i, l_i, acc, qk_scale,
             BLOCK_N, PRECISION,
@@ -254,20 +279,6 @@ def _paged_attention_kernel(
         new_tile = (kv_len - 1) // BLOCK_N
         if (tile_lo <= new_tile) & (new_tile < tile_hi):
             # This split holds the token's own position: its key and value.
-            kv_row = tl.zeros([1, 1], tl.int64)  # one head, as norm_rope_heads takes
-            k_new = norm_rope_heads(
-                kv_row + k_ptr + t_new * stride_kt + kv_head * stride_kh,
-                kv_row == 0,
-                k_weight_ptr,
-                cos,
-                sin,
-                eps,
-                HEAD_DIM,
-            )
-            v_new = tl.load(
-                v_ptr + t_new * stride_vt + kv_head * stride_vh + d[None, :]
-            )
-            slot = tl.load(slots_ptr + t_new)
             dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
             dst += kv_head * stride_ch + d[None, :]
             tl.store(k_cache_ptr + dst, k_new)
@@ -282,16 +293,13 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + p_v
             m_i = m_new
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split: no keys
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row without keys (padding)
     out = acc / l_safe[:, None]
-    t = (q_start + token).to(tl.int64)
     mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         dst = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        num_heads = GROUP * tl.num_programs(1)
-        row = (t * num_heads + head) * NUM_SPLITS + split
         tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + row, lse, mask=row_ok)
@@ -316,13 +324,16 @@ def _combine_splits_kernel(
     row = (t * num_heads + h) * NUM_SPLITS
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
+    # The partials load with the log-sum-exps (one round trip); those of
+    # empty splits were never written: their weight selects zeros instead.
     lse = tl.load(lse_ptr + row + s)
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
     part = tl.load(
         partial_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=(weight > 0.0)[:, None] & (d < HEAD_DIM)[None, :],
+        mask=(d < HEAD_DIM)[None, :],
         other=0.0,
     )
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
+    part = tl.where((weight > 0.0)[:, None], part, 0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + d,
