@@ -324,16 +324,16 @@ def _combine_splits_kernel(
     row = (t * num_heads + h) * NUM_SPLITS
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
-    # The partials load with the log-sum-exps (one round trip); those of
-    # empty splits were never written: their weight selects zeros instead.
     lse = tl.load(lse_ptr + row + s)
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
+    # (their partials are never written; loading every split's with the
+    # log-sum-exps instead, one round trip, cost 3.95 against 2.44 us a
+    # layer on the H100: the bytes of 32 splits)
     part = tl.load(
         partial_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=(d < HEAD_DIM)[None, :],
+        mask=(weight > 0.0)[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
-    part = tl.where((weight > 0.0)[:, None], part, 0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + d,
