@@ -131,6 +131,17 @@ def _attend_tile(
 
 
 @triton.jit
+def _new_key_value(k_row, v_row, k_weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr):
+    """A decode token's key of one KV head normed and rotated, and its
+    value, each [1, HEAD_DIM]."""
+    kv_row = tl.zeros([1, 1], tl.int64)  # one head, as norm_rope_heads takes
+    k = norm_rope_heads(
+        kv_row + k_row, kv_row == 0, k_weight_ptr, cos, sin, eps, HEAD_DIM
+    )
+    return k, tl.load(v_row + tl.arange(0, HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D] (strided), or partials [T, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [T, H, NUM_SPLITS] fp32 (NUM_SPLITS > 1 only)
@@ -239,19 +250,18 @@ def _paged_attention_kernel(
     if NEW_KV:  # the request's one token (D_PAD == HEAD_DIM)
         q_ok = row_ok[:, None]
         q = norm_rope_heads(q_row, q_ok, q_weight_ptr, cos, sin, eps, HEAD_DIM)
-        # The token's own key and value, loaded with the queries (one round
-        # trip) by every split; the one whose tiles hold its position uses them.
-        kv_row = tl.zeros([1, 1], tl.int64)  # one head, as norm_rope_heads takes
-        k_new = norm_rope_heads(
-            kv_row + k_ptr + t_new * stride_kt + kv_head * stride_kh,
-            kv_row == 0,
-            k_weight_ptr,
-            cos,
-            sin,
-            eps,
-            HEAD_DIM,
-        )
-        v_new = tl.load(v_ptr + t_new * stride_vt + kv_head * stride_vh + d[None, :])
+        if NUM_SPLITS > 1:
+            # Latency-bound (few requests): the token's own key and value
+            # load with the queries (one round trip) in every split; the one
+            # whose tiles hold its position uses them. With one split per
+            # request they load after the tiles: held through the KV loop
+            # they raised its spills (sm_90, Triton 3.9: 272 bytes of stack
+            # against 80; 112 this way), and the kernel lost 3% at 256.
+            k_new, v_new = _new_key_value(
+                k_ptr + t_new * stride_kt + kv_head * stride_kh,
+                v_ptr + t_new * stride_vt + kv_head * stride_vh,
+                k_weight_ptr, cos, sin, eps, HEAD_DIM,
+            )  # fmt: skip
     else:
         q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -279,6 +289,12 @@ def _paged_attention_kernel(
         new_tile = (kv_len - 1) // BLOCK_N
         if (tile_lo <= new_tile) & (new_tile < tile_hi):
             # This split holds the token's own position: its key and value.
+            if NUM_SPLITS == 1:
+                k_new, v_new = _new_key_value(
+                    k_ptr + t_new * stride_kt + kv_head * stride_kh,
+                    v_ptr + t_new * stride_vt + kv_head * stride_vh,
+                    k_weight_ptr, cos, sin, eps, HEAD_DIM,
+                )  # fmt: skip
             dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
             dst += kv_head * stride_ch + d[None, :]
             tl.store(k_cache_ptr + dst, k_new)
