@@ -22,10 +22,12 @@ kernel.
 
 In a decode batch (one new token per request) the kernel can also take
 the queries, keys and values as the q/k/v GEMM left them (``DecodeKV``):
-each program normalizes and rotates its group's query heads and that
-token's key (loaded together: one round trip), and the program whose
-split holds a request's last position stores the key and value in the
-cache and adds them to its softmax itself (the cache slot is not read).
+each program normalizes and rotates its group's query heads, and the
+program whose split holds a request's last position normalizes and
+rotates that token's key, stores the key and value in the cache and adds
+them to its softmax itself (the cache slot is not read); with several
+splits every program loads the key and value with its queries (one round
+trip after the PDL wait).
 That is the work of ``qk_norm_rope_``'s launch, which the step then skips.
 Every key such a kernel reads from the cache is then an earlier step's:
 the first tile, the rotation's angles and the cache slot load before the
