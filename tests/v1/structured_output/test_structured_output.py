@@ -2,6 +2,7 @@
 against a brute-force oracle, the errors, and whole generations (random
 weights: only the grammar makes the outputs valid)."""
 
+import concurrent.futures
 import json
 import re
 import sys
@@ -17,6 +18,7 @@ from vllm.model_executor.model_loader.tiny_checkpoint import (
     train_tokenizer,
 )
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.engine import core
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.workspace import reset_workspace_manager
@@ -230,8 +232,10 @@ def test_a_compiling_grammar_holds_back_only_its_own_sample(
 ):
     """While a grammar compiles (held here until released) its request
     computes its prompt but the last token and samples nothing; a request
-    behind it in the queue runs to its end; then it finishes as it would
-    have without the wait. A compile that fails aborts only its request."""
+    behind it in the queue runs to its end, and the engine never waits on
+    compiles with a step in flight; an aborted request's queued compile is
+    cancelled; then the held request finishes as it would have without the
+    wait. A compile that fails aborts only its request."""
     reset_workspace_manager()
     llm = LLM(
         checkpoint, dtype="float32", device="cpu", max_model_len=96,
@@ -257,11 +261,24 @@ def test_a_compiling_grammar_holds_back_only_its_own_sample(
         name: Request(name, ids, replace(params, structured_outputs=regex))
         for name, ids in prompts.items()
     }
+    aborted = Request("aborted", [5], replace(params, structured_outputs=regex))
     free = Request("free", [9, 10], SamplingParams(max_tokens=5))
-    for request in (*grammar_requests.values(), free):
+    for request in (*grammar_requests.values(), aborted, free):
         engine.add_request(request)
+    queued = aborted.compiling
+    assert queued is not None
+    engine.finish_request("aborted")
+    waits = []
+
+    def wait(futures, timeout, return_when):
+        assert engine._in_flight is None  # nothing runs on the device
+        waits.append(timeout)
+        return concurrent.futures.wait(futures, timeout, return_when)
+
+    monkeypatch.setattr(core, "wait", wait)
     while engine.has_unfinished_requests() and free.finish_reason is None:
         engine.step()
+    assert queued.cancelled() and not waits  # the free request had steps to run
     assert free.finish_reason == "length" and len(free.output_token_ids) == 5
     for request in grammar_requests.values():
         assert not request.output_token_ids and request.num_pending_tokens == 0

@@ -277,7 +277,7 @@ class EngineCore:
             if self.tp_group is None:
                 request.compiling = structured.submit(params.structured_outputs)
                 self._compiling.append(request)
-            else:  # compiled alike on every rank: their schedules stay equal
+            else:  # compiled at once on every rank: their schedules stay equal
                 request.grammar = structured.matcher(params.structured_outputs)
         if params.seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -305,7 +305,11 @@ class EngineCore:
         total = len(ids) + params.max_tokens
         vocab = self.model.config.vocab_size
         if params.structured_outputs is not None:
-            self._structured_output().validate(params.structured_outputs)
+            structured = self._structured_output()
+            if self.tp_group is None:
+                structured.validate(params.structured_outputs)
+            else:  # compiled now: no rank can fail to compile it when added
+                structured.matcher(params.structured_outputs)
         if params.n != 1:
             raise ValueError(
                 f"n: the engine runs one sequence per request (fan them out with "
@@ -385,13 +389,17 @@ class EngineCore:
         return finished if finished is not None else self._stalled()
 
     def _stalled(self) -> list[Request]:
-        """Nothing resolved this step: a short wait where grammars compile
-        (rather than a loop of empty steps), else an error if requests wait
-        while no step runs (none can ever be scheduled)."""
+        """Nothing resolved this step. Where nothing runs on the device
+        either: a short wait if grammars compile (rather than a loop of
+        empty steps; not on ranks stepped in lockstep, whose peers would
+        wait too), else an error if requests wait (none can ever run)."""
+        if self._in_flight is not None:
+            return []
         if self._compiling:
-            futures = [r.compiling for r in self._compiling if r.compiling]
-            wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
-        elif self.scheduler.has_unfinished() and self._in_flight is None:
+            if self.ep_group is None:
+                futures = [r.compiling for r in self._compiling if r.compiling]
+                wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
+        elif self.scheduler.has_unfinished():
             raise RuntimeError("scheduler: requests wait but none can run")
         return []
 
@@ -402,8 +410,9 @@ class EngineCore:
         for request in self._compiling:
             future = request.compiling
             assert future is not None
-            if request.status is RequestStatus.FINISHED:
-                request.compiling = None  # aborted meanwhile
+            if request.status is RequestStatus.FINISHED:  # aborted meanwhile
+                future.cancel()  # (if still queued: the grammars behind it)
+                request.compiling = None
             elif not future.done():
                 compiling.append(request)
             elif (error := future.exception()) is not None:

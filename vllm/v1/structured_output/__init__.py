@@ -5,9 +5,12 @@ The engine parses a request's :class:`StructuredOutputsParams` when it
 checks the request (a bad schema, regex or grammar is an error naming the
 field, on the rank that admits requests) and compiles it when the request
 is added, on a worker thread (xgrammar releases the GIL): the request's
-prefill runs meanwhile, and only its first sample waits for the grammar,
-so a large schema holds no other request back. Compiled grammars are
-cached, up to 512 MiB. Before
+prefill runs meanwhile and only its first sample waits for the grammar, so
+a large schema holds back only the grammars queued behind it (one compile
+at a time; an aborted request's queued compile is cancelled). Meanwhile
+the request holds its place among the running and its KV blocks.
+Tensor-parallel ranks compile in the check and when added, at once (their
+schedules must stay equal). Compiled grammars are cached, up to 512 MiB. Before
 each step samples, the matchers of its rows fill their allowed tokens as a
 packed bitmask, which the sampler applies after bias, penalties and bans
 (log-probs stay the model's; a row left with no token gets its banned ones

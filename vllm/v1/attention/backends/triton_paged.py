@@ -26,8 +26,8 @@ each program normalizes and rotates its group's query heads, and the
 program whose split holds a request's last position normalizes and
 rotates that token's key, stores the key and value in the cache and adds
 them to its softmax itself (the cache slot is not read); with several
-splits every program loads the key and value with its queries (one round
-trip after the PDL wait).
+splits every non-empty split loads (and rotates) that key and value with
+its queries (one round trip after the PDL wait).
 That is the work of ``qk_norm_rope_``'s launch, which the step then skips.
 Every key such a kernel reads from the cache is then an earlier step's:
 the first tile, the rotation's angles and the cache slot load before the
