@@ -42,3 +42,21 @@ def test_a_stop_token_is_the_stop_reason_and_eos_is_none():
     assert running.finish_reason is None
     running.append_token(4, 0.0, {})
     assert (running.finish_reason, running.stop_reason) == ("length", None)
+
+
+def test_min_tokens_bans_stops_and_eos_until_the_last_short_token():
+    params = SamplingParams(min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    request = Request("r", [1], params, eos_token_id=9)
+    request.num_pending_tokens = 1  # this step's token: output token 0
+    assert request.min_tokens_bans() == [7, 9]  # EOS even under ignore_eos
+    request.num_pending_tokens = 2  # ... and the step in flight's: token 1
+    assert request.min_tokens_bans() == [7, 9]
+    request.num_pending_tokens = 3  # token 2: min_tokens met before it
+    assert request.min_tokens_bans() == []
+    request.num_pending_tokens = 1
+    request.append_token(3, 0.0, {})
+    request.append_token(4, 0.0, {})
+    assert request.min_tokens_bans() == []
+    free = Request("f", [1], SamplingParams(stop_token_ids=[7]), eos_token_id=9)
+    free.num_pending_tokens = 1
+    assert free.min_tokens_bans() == []

@@ -95,6 +95,18 @@ class Request:
         scheduled = len(self.output_token_ids) + self.num_pending_tokens
         return scheduled >= self.sampling_params.max_tokens
 
+    def min_tokens_bans(self) -> list[int]:
+        """The stop tokens and EOS (even with ``ignore_eos``, as vLLM) if the
+        token a step now samples would leave it short of ``min_tokens`` (it
+        is its output's token ``len(outputs) + pending - 1``: the step in
+        flight's is pending), else none."""
+        params = self.sampling_params
+        index = len(self.output_token_ids) + self.num_pending_tokens - 1
+        if index >= params.min_tokens:  # (most requests: min_tokens 0)
+            return []
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return [*params.stop_token_ids, *eos]
+
     @property
     def missing_prompt_logprobs(self) -> bool:
         """Whether it asks for prompt log-probabilities and lacks some."""

@@ -18,7 +18,7 @@ from vllm.model_executor.model_loader.tiny_checkpoint import (
     train_tokenizer,
 )
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.engine import core
+from vllm.v1 import structured_output
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.workspace import reset_workspace_manager
@@ -275,7 +275,7 @@ def test_a_compiling_grammar_holds_back_only_its_own_sample(
         waits.append(timeout)
         return concurrent.futures.wait(futures, timeout, return_when)
 
-    monkeypatch.setattr(core, "wait", wait)
+    monkeypatch.setattr(structured_output, "wait", wait)
     while engine.has_unfinished_requests() and free.finish_reason is None:
         engine.step()
     assert queued.cancelled() and not waits  # the free request had steps to run

@@ -35,7 +35,6 @@ seeded alike).
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +142,6 @@ class EngineCore:
         # must sample alike) stay in step whatever the caller does.
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._structured: StructuredOutputManager | None = None
-        self._compiling: list[Request] = []  # their grammars not yet taken
         num_ubatches = 2 if config.enable_dbo else 1
         if not is_workspace_manager_initialized():
             init_workspace_manager(self.device, num_ubatches=num_ubatches)
@@ -275,8 +273,7 @@ class EngineCore:
         if params.structured_outputs is not None:
             structured = self._structured_output()
             if self.tp_group is None:
-                request.compiling = structured.submit(params.structured_outputs)
-                self._compiling.append(request)
+                structured.start(request)
             else:  # compiled at once on every rank: their schedules stay equal
                 request.grammar = structured.matcher(params.structured_outputs)
         if params.seed is not None:
@@ -376,8 +373,9 @@ class EngineCore:
         ``async_scheduling`` the step is launched and the one before it
         resolved: the host schedules and fills step N + 1 while the GPU
         still runs step N, and the requests returned finished in step N."""
-        if self._compiling:
-            self._take_grammars()
+        if self._structured is not None and self._structured.compiling:
+            for failed in self._structured.take_compiled():
+                self.scheduler.finish_request(failed.request_id, "abort")
         chunks = self.scheduler.schedule()
         self.last_step = StepShape(sum(c.end - c.start for c in chunks), len(chunks))
         launched, finished = self._launch(chunks) if chunks else (None, None)
@@ -395,32 +393,12 @@ class EngineCore:
         wait too), else an error if requests wait (none can ever run)."""
         if self._in_flight is not None:
             return []
-        if self._compiling:
+        if self._structured is not None and self._structured.compiling:
             if self.ep_group is None:
-                futures = [r.compiling for r in self._compiling if r.compiling]
-                wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
+                self._structured.wait_compiling(GRAMMAR_POLL_S)
         elif self.scheduler.has_unfinished():
             raise RuntimeError("scheduler: requests wait but none can run")
         return []
-
-    def _take_grammars(self) -> None:
-        """Give the requests whose grammars compiled their matchers; one
-        whose compile failed (after its check parsed it) aborts."""
-        compiling = []
-        for request in self._compiling:
-            future = request.compiling
-            assert future is not None
-            if request.status is RequestStatus.FINISHED:  # aborted meanwhile
-                future.cancel()  # (if still queued: the grammars behind it)
-                request.compiling = None
-            elif not future.done():
-                compiling.append(request)
-            elif (error := future.exception()) is not None:
-                logger.error("request %s: %s", request.request_id, error)
-                self.scheduler.finish_request(request.request_id, "abort")
-            else:
-                request.grammar, request.compiling = future.result(), None
-        self._compiling = compiling
 
     def _launch(
         self, chunks: list[ScheduledChunk]
@@ -465,7 +443,11 @@ class EngineCore:
                 [c.request.generator for c in sampling],
                 self.generator,
                 history,
-                self._banned([c.request for c in sampling]),
+                {
+                    row: bans
+                    for row, c in enumerate(sampling)
+                    if (bans := c.request.min_tokens_bans())
+                },
                 masks,
             )
             done = None
@@ -477,23 +459,6 @@ class EngineCore:
                 sampled.device_tokens, [c.request.request_id for c in sampling]
             )
         return _Launched(chunks, sampling, sampled, done, prompt_logprobs), finished
-
-    @staticmethod
-    def _banned(requests: list[Request]) -> dict[int, list[int]]:
-        """By row: the stop tokens and EOS (even with ``ignore_eos``, as
-        vLLM) of requests that this step's token would leave short of
-        ``min_tokens`` (it is their output's token ``len(outputs) + pending
-        - 1``: the step in flight's is pending)."""
-        banned = {}
-        for row, r in enumerate(requests):
-            params = r.sampling_params
-            if params.min_tokens == 0:  # most requests
-                continue
-            if len(r.output_token_ids) + r.num_pending_tokens - 1 < params.min_tokens:
-                eos = [] if r.eos_token_id is None else [r.eos_token_id]
-                if stops := [*params.stop_token_ids, *eos]:
-                    banned[row] = stops
-        return banned
 
     def _token_history(self, requests: list[Request]) -> TokenHistory:
         """What the requests' penalties count. Under async scheduling a

@@ -33,13 +33,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.sample.sampler import TokenMasks
+
+logger = init_logger(__name__)
 
 # compiled grammars kept (vLLM's default: a long-running server sees many)
 CACHE_LIMIT_BYTES = 512 << 20
@@ -64,6 +68,7 @@ class StructuredOutputManager:
         )
         # one compile at a time (xgrammar spreads each over threads itself)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._compiling: list[Request] = []  # their grammars not yet taken
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Parse ``params``' grammar (no compile: about a millisecond), or
@@ -75,6 +80,44 @@ class StructuredOutputManager:
         """A fresh ``xgrammar.GrammarMatcher`` of ``params``' grammar, compiled
         (or taken from the cache) on the worker thread."""
         return self._worker.submit(self.matcher, params)
+
+    def start(self, request: Request) -> None:
+        """Compile ``request``'s grammar on the worker thread: until
+        :meth:`take_compiled` hands it over, ``request.compiling`` holds
+        the compile (and no step samples for the request)."""
+        assert request.sampling_params.structured_outputs is not None
+        request.compiling = self.submit(request.sampling_params.structured_outputs)
+        self._compiling.append(request)
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def take_compiled(self) -> list[Request]:
+        """Give the requests whose grammars compiled their matchers; returns
+        those whose compile failed (after their check parsed it), to abort.
+        An aborted request's compile is cancelled if still queued."""
+        compiling, failed = [], []
+        for request in self._compiling:
+            future = request.compiling
+            assert future is not None
+            if request.status is RequestStatus.FINISHED:  # aborted meanwhile
+                future.cancel()
+                request.compiling = None
+            elif not future.done():
+                compiling.append(request)
+            elif (error := future.exception()) is not None:
+                logger.error("request %s: %s", request.request_id, error)
+                failed.append(request)
+            else:
+                request.grammar, request.compiling = future.result(), None
+        self._compiling = compiling
+        return failed
+
+    def wait_compiling(self, timeout_s: float) -> None:
+        """Until a compile ends, at most ``timeout_s``."""
+        futures = [r.compiling for r in self._compiling if r.compiling is not None]
+        wait(futures, timeout_s, FIRST_COMPLETED)
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """:meth:`submit`'s work, on the calling thread."""
