@@ -291,10 +291,11 @@ def asm_for_sm90(
         a: pointers.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in args
     }
     signature |= dict.fromkeys(consts, "constexpr")
+    # (attribute keys index all parameters, constexprs included)
     divisible = {
         (i,): [["tt.divisibility", 16]]
-        for i, a in enumerate(args)
-        if a.endswith("_ptr") or a in aligned
+        for i, a in enumerate(p.name for p in kernel.params)
+        if a in args and (a.endswith("_ptr") or a in aligned)
     }
     source = ASTSource(kernel, signature, constexprs=dict(consts), attrs=divisible)
     options = {"num_warps": num_warps, "num_stages": num_stages}
