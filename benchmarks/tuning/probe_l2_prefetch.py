@@ -184,8 +184,9 @@ def main() -> None:
     def tile(x, w, out, bn, bk, warps):
         n, k = w.shape
         sg._skinny_gemm_kernel[(triton.cdiv(n, bn),)](
-            x, w, out, 1, n, k, x.stride(0), w.stride(0), BLOCK_M=1, BLOCK_N=bn,
-            BLOCK_K=bk, PDL=True, num_warps=warps, launch_pdl=True,
+            x, w, out, None, None, None, 1, n, k, x.stride(0), w.stride(0), 0, 0.0,
+            BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, PDL=True, NORM=False,
+            HAS_RESIDUAL=False, WHOLE_K=bk >= k, num_warps=warps, launch_pdl=True,
         )  # fmt: skip
         return out
 

@@ -33,9 +33,9 @@ Norm = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # residual, weight, sum 
 
 ITERS = 20
 BLOCK_N = (2, 4, 8, 16)
-BLOCK_K = (256, 512, 1024, 2048)
+BLOCK_K = (256, 512, 1024, 2048, 4096)  # at one row, K's own: whole-K tiles
 WARPS = (2, 4, 8)
-MAX_ACC = 128  # fp32 products held per thread: beyond, spills
+MAX_ACC = 128  # fp32 products (or 16-bit weight pairs) held per thread
 
 
 def launch(
@@ -48,7 +48,7 @@ def launch(
         x, w, out, residual, norm_weight, total, m, n, k, x.stride(0), w.stride(0),
         k, 1e-6, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         PDL=False, NORM=norm is not None, HAS_RESIDUAL=norm is not None,
-        num_warps=warps,
+        WHOLE_K=m == 1 and block_k >= k, num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -79,7 +79,8 @@ def sweep(layer: str, rows: int, copy_gbps: float, fused: bool) -> None:
 
     for config in itertools.product(BLOCK_N, BLOCK_K, WARPS):
         bn, bk, warps = config
-        if triton.next_power_of_2(rows) * bn * bk > MAX_ACC * 32 * warps or bk > k:
+        held = bn * bk // 2 if rows == 1 and bk >= k else rows * bn * bk
+        if held > MAX_ACC * 32 * warps or bk > k:
             continue
         got = launch(x, weights[0], out, bn, bk, warps, norm)
         torch.testing.assert_close(got, ref, atol=0.5, rtol=2e-2)
@@ -98,11 +99,12 @@ def sweep(layer: str, rows: int, copy_gbps: float, fused: bool) -> None:
         return f"    {name:<18} {us:7.2f} us  {frac:5.0%} of copy"
 
     print(f"{layer} {n}x{k} M={rows}{' norm prologue' if fused else ''}:")
-    shipped = str(
-        (sg._NORM_BLOCK_N, sg._NORM_BLOCK_K, 4)
-        if fused
-        else (sg._BLOCK_N, sg._BLOCK_K, 4)
-    )
+    if rows == 1 and k <= sg._WHOLE_K_MAX:
+        shipped = str((sg._WHOLE_K_ELEMENTS // k, k, 4))
+    elif fused:
+        shipped = str((sg._NORM_BLOCK_N, sg._NORM_BLOCK_K, 4))
+    else:
+        shipped = str((sg._BLOCK_N, sg._BLOCK_K, 4))
     if shipped in times:
         print(line(f"shipped {shipped}", times[shipped]))
     ranked = sorted((t, c) for c, t in times.items() if c != "cublas")

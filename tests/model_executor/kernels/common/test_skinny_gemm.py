@@ -14,13 +14,16 @@ from vllm.model_executor.kernels.common.skinny_gemm import (
 )
 
 
+# block_k 32: K steps that do not divide K (80, 20); None: the launcher's,
+# whole-K tiles at one row (K padded to a power of two), 1024 at two; 128
+# covers K at one row, a whole-K tile too. N not a multiple of 8
+@pytest.mark.parametrize("block_k", [32, None, 128])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (2, 17, 80), (1, 3, 20)])
-def test_matches_reference(device, m, n, k):
+def test_matches_reference(device, m, n, k, block_k):
     torch.manual_seed(m * 100 + n)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     weight = torch.randn(n + 5, k, device=device, dtype=torch.bfloat16)[:n]
-    # K steps of 32 that do not divide K (80, 20); N not a multiple of 8
-    out = skinny_gemm(x, weight, block_k=32)
+    out = skinny_gemm(x, weight, block_k=block_k)
     ref = skinny_gemm_reference(x, weight)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
@@ -66,13 +69,15 @@ def test_bad_arguments_are_named(device):
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (2, 17, 80), (1, 3, 2048)])
 @pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("block_k", [32, None])
 def test_norm_prologue_equals_the_norm_kernel_then_the_gemm(
-    device, m, n, k, with_residual
+    device, m, n, k, with_residual, block_k
 ):
     """``rms_norm_skinny_gemm`` against ``rms_norm`` then ``skinny_gemm``
     (the kernels round alike) and the fp32 reference: several programs, K
-    steps that do not divide K, ``x`` and the residual with other row
-    strides; the sum exactly, and the residual left as it was."""
+    steps that do not divide K (or, ``block_k`` None at one row, whole-K
+    tiles), ``x`` and the residual with other row strides; the sum exactly,
+    and the residual left as it was."""
     torch.manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k + 24, device=device, dtype=torch.bfloat16)[:, 10 : 10 + k]
     x = x * 3
@@ -84,7 +89,7 @@ def test_norm_prologue_equals_the_norm_kernel_then_the_gemm(
     before = None if residual is None else residual.clone()
     norm_weight = (torch.rand(k, device=device) + 0.5).bfloat16()
     weight = torch.randn(n + 5, k, device=device, dtype=torch.bfloat16)[:n]
-    out, total = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, weight, 32)
+    out, total = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, weight, block_k)
     normed, expected_total = rms_norm(x, norm_weight, 1e-6, residual)
     if residual is None:
         assert total is x
@@ -94,7 +99,7 @@ def test_norm_prologue_equals_the_norm_kernel_then_the_gemm(
     # the fp32 sums of squares run in another order: a normalized value may
     # round one bf16 step apart
     torch.testing.assert_close(
-        out, skinny_gemm(normed, weight, 32), atol=5e-2, rtol=2e-2
+        out, skinny_gemm(normed, weight, block_k), atol=5e-2, rtol=2e-2
     )
     ref_normed, _ = rms_norm_reference(x, norm_weight, 1e-6, residual)
     ref = skinny_gemm_reference(ref_normed, weight).float()

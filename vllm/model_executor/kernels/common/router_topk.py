@@ -87,12 +87,14 @@ def _router_topk_kernel(
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     ROUTE: tl.constexpr,  # else only the logits, in x's dtype
+    WHOLE_K: tl.constexpr,  # K <= BLOCK_K
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     logits = skinny_tile(
         x_ptr, w_ptr, 1, num_experts, K, stride_xm, stride_wn, cols,
         1, BLOCK_N, BLOCK_K, PDL,
         res_ptr, norm_w_ptr, sum_ptr, normed_ptr, stride_rm, eps, NORM, NORM, NORM,
+        WHOLE_K,
     )  # fmt: skip
     tl.store(
         logits_ptr + cols[None, :],
@@ -240,7 +242,7 @@ def _launch(
         0 if residual is None else residual.stride(0), eps, NORM=norm is not None,
         TOPK=topk, RENORMALIZE=renormalize, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         BLOCK_E=block_e, CHUNK=chunk, PDL=launch_pdl, ROUTE=route is not None,
-        num_warps=4, launch_pdl=launch_pdl,
+        WHOLE_K=x.shape[1] <= _BLOCK_K, num_warps=4, launch_pdl=launch_pdl,
     )  # fmt: skip
 
 

@@ -48,6 +48,13 @@ _BLOCK_N, _BLOCK_K = 4, 1024
 # with the norm in the prologue (q/k/v, 5120 x 2048, at one row): 8.7 against
 # 9.5 us at 4 x 1024 (``tune_skinny_gemm.py --fused``, H200)
 _NORM_BLOCK_N, _NORM_BLOCK_K = 8, 512
+# One row of K <= 4096 takes whole-K tiles: all of a program's weights load
+# before the PDL wait, while the previous kernel runs, and one load of the
+# row follows it (stepped tiles wait for a weight round trip per K step
+# after it). 2 x 4096 or 4 x 2048 weights a program (64 registers a thread
+# at 4 warps) keep every program of the decode shapes resident at once.
+_WHOLE_K_MAX = 4096
+_WHOLE_K_ELEMENTS = 8192
 
 
 def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -> bool:
@@ -63,46 +70,44 @@ def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -
 
 @triton.jit
 def _x_chunk(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    sum_ptr,  # [M, K]: x + residual (program 0 writes it)
-    normed_ptr,  # [M, K]: the normalized rows (program 0, STORE_NORMED)
-    rows,
-    offs_k,
-    M,
-    K,
-    stride_xm,
-    stride_rm,
-    rstd,  # [BLOCK_M] fp32 (NORM)
-    NORM: tl.constexpr,
+    x_ptr, res_ptr, rows, offs_k, M, K, stride_xm, stride_rm, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    STORE_NORMED: tl.constexpr,
-):
-    """Columns ``offs_k`` of the GEMM's input: the rows of ``x``, or with
-    ``NORM`` those of ``x + residual``, normalized once ``rstd`` is given
-    (as :func:`~.rms_norm.rms_norm` rounds them); with ``rstd`` program 0
-    also writes the sum and (``STORE_NORMED``) the normalized rows."""
+):  # fmt: skip
+    """Columns ``offs_k`` of the rows of ``x`` (``NORM`` and
+    ``HAS_RESIDUAL``: of ``x + residual``, rounded to x's dtype as the
+    unfused add rounds)."""
     mask = (rows < M)[:, None] & (offs_k < K)[None, :]
     x = tl.load(
         x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0
     )
-    if NORM:
-        dtype = x.dtype
-        store = mask & (rows * 0 + tl.program_id(0) == 0)[:, None]  # program 0
-        out_offs = rows[:, None] * K + offs_k[None, :]
+    if NORM:  # noqa: SIM102 (Triton: nested constexpr tests)
         if HAS_RESIDUAL:
             res_ptrs = res_ptr + rows[:, None] * stride_rm + offs_k[None, :]
             res = tl.load(res_ptrs, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            if rstd is not None:
-                tl.store(sum_ptr + out_offs, x, mask=store)
-        if rstd is not None:
-            weight = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
-            x = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
-            x = (x * weight.to(tl.float32)[None, :]).to(dtype)
-            if STORE_NORMED:
-                tl.store(normed_ptr + out_offs, x, mask=store)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _normalize_chunk(
+    x, rstd, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k, M, K,
+    HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr,
+):  # fmt: skip
+    """Columns ``offs_k`` of the rows ``x`` normalized by ``rstd``
+    [BLOCK_M] (as :func:`~.rms_norm.rms_norm` rounds them); program 0 also
+    writes the sum (``HAS_RESIDUAL``) and the normalized rows
+    (``STORE_NORMED``)."""
+    dtype = x.dtype
+    mask = (rows < M)[:, None] & (offs_k < K)[None, :]
+    store = mask & (rows * 0 + tl.program_id(0) == 0)[:, None]  # program 0
+    out_offs = rows[:, None] * K + offs_k[None, :]
+    if HAS_RESIDUAL:
+        tl.store(sum_ptr + out_offs, x, mask=store)
+    weight = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
+    x = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+    x = (x * weight.to(tl.float32)[None, :]).to(dtype)
+    if STORE_NORMED:
+        tl.store(normed_ptr + out_offs, x, mask=store)
     return x
 
 
@@ -129,12 +134,13 @@ def skinny_tile(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STORE_NORMED: tl.constexpr,
+    WHOLE_K: tl.constexpr,  # one row, K <= BLOCK_K: a single tile per program
 ):
     """fp32 [BLOCK_M, BLOCK_N]: the rows of ``x`` (with ``NORM``: of
     ``rms_norm(x + residual)``, which program 0 also writes out) times
     weight rows ``cols``. Waits for the previous kernel
-    (:func:`~.pdl.pdl_wait`) after loading the first weight tile, before it
-    reads ``x``."""
+    (:func:`~.pdl.pdl_wait`) after loading the first weight tile (with
+    ``WHOLE_K``, all of its weights), before it reads ``x``."""
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -143,29 +149,51 @@ def skinny_tile(
     # first tile streams while the previous kernel finishes
     w = tl.load(w_ptrs, mask=col_ok & (offs_k < K)[None, :], other=0.0)
     pdl_wait(PDL)
-    rstd = None
-    if NORM:
-        # 1/rms first: a pass over the (cached) rows before the products
-        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            s = _x_chunk(
-                x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
-                M, K, stride_xm, stride_rm, None, NORM, HAS_RESIDUAL, False,
-            ).to(tl.float32)  # fmt: skip
-            squares += s * s
-        rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
-    # Products accumulate per K lane, reduced once at the end (a reduction
-    # per step would shuffle between threads after every load)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    if WHOLE_K:
+        # One load of the row after the wait, and no K loop: 2-D products
+        # (a 3-D layout reaches the weights' loads and splits them)
+        tl.static_assert(BLOCK_M == 1, "WHOLE_K takes one row")
         x = _x_chunk(
-            x_ptr, res_ptr, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k,
-            M, K, stride_xm, stride_rm, rstd, NORM, HAS_RESIDUAL, STORE_NORMED,
+            x_ptr, res_ptr, rows, offs_k, M, K, stride_xm, stride_rm, NORM,
+            HAS_RESIDUAL,
         )  # fmt: skip
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        next_k = (offs_k + k + BLOCK_K < K)[None, :]
-        w = tl.load(w_ptrs + k + BLOCK_K, mask=col_ok & next_k, other=0.0)
-    return tl.sum(acc, 2)
+        if NORM:
+            x32 = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x32 * x32, 1) / K + eps)
+            x = _normalize_chunk(
+                x, rstd, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k, M, K,
+                HAS_RESIDUAL, STORE_NORMED,
+            )  # fmt: skip
+        out = tl.sum(x.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+    else:
+        if NORM:
+            # 1/rms first: a pass over the (cached) rows before the products
+            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                s = _x_chunk(
+                    x_ptr, res_ptr, rows, offs_k + k, M, K, stride_xm, stride_rm,
+                    NORM, HAS_RESIDUAL,
+                ).to(tl.float32)  # fmt: skip
+                squares += s * s
+            rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
+        # Products accumulate per K lane, reduced once at the end (a
+        # reduction per step would shuffle between threads after every load)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = _x_chunk(
+                x_ptr, res_ptr, rows, offs_k + k, M, K, stride_xm, stride_rm, NORM,
+                HAS_RESIDUAL,
+            )  # fmt: skip
+            if NORM:
+                x = _normalize_chunk(
+                    x, rstd, norm_w_ptr, sum_ptr, normed_ptr, rows, offs_k + k, M,
+                    K, HAS_RESIDUAL, STORE_NORMED,
+                )  # fmt: skip
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            next_k = (offs_k + k + BLOCK_K < K)[None, :]
+            w = tl.load(w_ptrs + k + BLOCK_K, mask=col_ok & next_k, other=0.0)
+        out = tl.sum(acc, 2)
+    return out
 
 
 @triton.jit
@@ -189,6 +217,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WHOLE_K: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,7 +225,7 @@ def _skinny_gemm_kernel(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols,
         BLOCK_M, BLOCK_N, BLOCK_K, PDL,
         res_ptr, norm_w_ptr, sum_ptr, None, stride_rm, eps,
-        NORM, HAS_RESIDUAL, False,
+        NORM, HAS_RESIDUAL, False, WHOLE_K,
     )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * N + cols[None, :],
@@ -235,13 +264,14 @@ def check_skinny_operands(
 
 
 def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, block_k: int = _BLOCK_K
+    x: torch.Tensor, weight: torch.Tensor, block_k: int | None = None
 ) -> torch.Tensor:
     """``x`` [M <= SKINNY_MAX_ROWS, K] @ ``weight`` [N, K].T in ``x``'s
     16-bit dtype (fp32 accumulation), both with unit stride along K;
-    ``block_k`` is the K step (tests take small ones)."""
+    ``block_k`` is the K step (None: the launcher's; tests take small
+    ones)."""
     check_skinny_operands(x, weight)
-    return _launch(x, weight, _BLOCK_N, block_k, None)
+    return _launch(x, weight, _BLOCK_N, block_k or _BLOCK_K, block_k, None)
 
 
 def rms_norm_skinny_gemm(
@@ -250,7 +280,7 @@ def rms_norm_skinny_gemm(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
-    block_k: int = _NORM_BLOCK_K,
+    block_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight.T, x + residual)`` in one launch:
     every program normalizes the rows itself before its products (a
@@ -265,7 +295,8 @@ def rms_norm_skinny_gemm(
         else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     norm = (residual, norm_weight, total, eps)
-    return _launch(x, weight, _NORM_BLOCK_N, block_k, norm), total
+    step = block_k or _NORM_BLOCK_K
+    return _launch(x, weight, _NORM_BLOCK_N, step, block_k, norm), total
 
 
 def _launch(
@@ -273,11 +304,18 @@ def _launch(
     weight: torch.Tensor,
     block_n: int,
     block_k: int,
+    asked_block_k: int | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
 ) -> torch.Tensor:
+    """``block_n`` x ``block_k`` tiles, or whole-K ones for one row (where
+    ``asked_block_k`` is None and K is short enough, or covers K)."""
     if block_k < 16 or block_k & (block_k - 1):
         raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
     (m, k), n = x.shape, weight.shape[0]
+    whole_k = m == 1 and (k <= block_k if asked_block_k else k <= _WHOLE_K_MAX)
+    if whole_k:
+        block_k = max(block_k, triton.next_power_of_2(k))
+        block_n = max(1, _WHOLE_K_ELEMENTS // block_k)
     residual, norm_weight, total, eps = norm or (None, None, None, 0.0)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
@@ -288,7 +326,7 @@ def _launch(
             0 if residual is None else residual.stride(0), eps,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
             PDL=launch_pdl, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            num_warps=4, launch_pdl=launch_pdl,
+            WHOLE_K=whole_k, num_warps=4, launch_pdl=launch_pdl,
         )  # fmt: skip
     return out
 
