@@ -150,8 +150,8 @@ def skinny_tile(
     w = tl.load(w_ptrs, mask=col_ok & (offs_k < K)[None, :], other=0.0)
     pdl_wait(PDL)
     if WHOLE_K:
-        # One load of the row after the wait, and no K loop: 2-D products
-        # (a 3-D layout reaches the weights' loads and splits them)
+        # One load of the row after the wait, no K loop, and no accumulator
+        # (held across steps, [BLOCK_N, BLOCK_K] fp32 would spill)
         tl.static_assert(BLOCK_M == 1, "WHOLE_K takes one row")
         x = _x_chunk(
             x_ptr, res_ptr, rows, offs_k, M, K, stride_xm, stride_rm, NORM,
