@@ -99,12 +99,7 @@ def sweep(layer: str, rows: int, copy_gbps: float, fused: bool) -> None:
         return f"    {name:<18} {us:7.2f} us  {frac:5.0%} of copy"
 
     print(f"{layer} {n}x{k} M={rows}{' norm prologue' if fused else ''}:")
-    if rows == 1 and k <= sg._WHOLE_K_MAX:
-        shipped = str((sg._WHOLE_K_ELEMENTS // k, k, 4))
-    elif fused:
-        shipped = str((sg._NORM_BLOCK_N, sg._NORM_BLOCK_K, 4))
-    else:
-        shipped = str((sg._BLOCK_N, sg._BLOCK_K, 4))
+    shipped = str((*sg.skinny_tiles(rows, k, fused)[:2], 4))
     if shipped in times:
         print(line(f"shipped {shipped}", times[shipped]))
     ranked = sorted((t, c) for c, t in times.items() if c != "cublas")

@@ -11,14 +11,18 @@ from vllm.model_executor.kernels.common.skinny_gemm import (
     skinny_gemm,
     skinny_gemm_applies,
     skinny_gemm_reference,
+    skinny_tiles,
 )
 
 
 # block_k 32: K steps that do not divide K (80, 20); None: the launcher's,
-# whole-K tiles at one row (K padded to a power of two), 1024 at two; 128
-# covers K at one row, a whole-K tile too. N not a multiple of 8
+# whole-K tiles at one row (K padded to a power of two; 4097: steps), 1024
+# at two; 128 covers K at one row, a whole-K tile too. N not a multiple of
+# the tiles' rows
 @pytest.mark.parametrize("block_k", [32, None, 128])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (2, 17, 80), (1, 3, 20)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 40, 96), (2, 17, 80), (1, 3, 20), (1, 13, 4096), (1, 5, 4097)]
+)
 def test_matches_reference(device, m, n, k, block_k):
     torch.manual_seed(m * 100 + n)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -26,6 +30,22 @@ def test_matches_reference(device, m, n, k, block_k):
     out = skinny_gemm(x, weight, block_k=block_k)
     ref = skinny_gemm_reference(x, weight)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_tiles_span_k_at_one_row():
+    # (BLOCK_N, BLOCK_K, WHOLE_K): the decode shapes' whole-K tiles
+    assert skinny_tiles(1, 4096, norm=False) == (2, 4096, True)  # o_proj
+    assert skinny_tiles(1, 2048, norm=True) == (4, 2048, True)  # q/k/v
+    assert skinny_tiles(1, 96, norm=False) == (64, 128, True)
+    assert skinny_tiles(1, 8, norm=True) == (512, 16, True)
+    assert skinny_tiles(1, 4097, norm=False) == (4, 1024, False)
+    assert skinny_tiles(1, 4097, norm=True) == (8, 512, False)
+    assert skinny_tiles(2, 4096, norm=False) == (4, 1024, False)
+    assert skinny_tiles(1, 96, norm=False, block_k=128) == (64, 128, True)
+    assert skinny_tiles(1, 96, norm=False, block_k=64) == (4, 64, False)
+    for bad in (0, 48, 8):
+        with pytest.raises(ValueError, match="block_k: expected"):
+            skinny_tiles(1, 96, norm=False, block_k=bad)
 
 
 def test_strided_rows_and_empty(device):

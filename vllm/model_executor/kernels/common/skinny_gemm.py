@@ -27,6 +27,11 @@ them, then normalizes each K step before its products (rounded as
 :func:`~.rms_norm.rms_norm` rounds), so the norm needs no launch of its own
 (q/k/v at one token: 9.1-9.3 against 9.6-9.8 us for the norm's kernel then
 this one, ``benchmark_skinny_gemm``; a one-pass variant lost, 11.2 us).
+
+At one row and K <= 4096 (:func:`skinny_tiles`) a program's tile spans all
+of K: every weight load is issued before the PDL wait, while the kernel
+before runs, and one load of the row (the norm on it) follows the wait;
+stepped tiles wait for a weight round trip per K step after it.
 """
 
 from __future__ import annotations
@@ -263,15 +268,30 @@ def check_skinny_operands(
         )  # fmt: skip
 
 
+def skinny_tiles(
+    rows: int, k: int, norm: bool, block_k: int | None = None
+) -> tuple[int, int, bool]:
+    """``(BLOCK_N, BLOCK_K, WHOLE_K)`` of a launch: whole-K tiles for one row
+    where ``block_k`` covers K, or is None and K <= ``_WHOLE_K_MAX``;
+    otherwise ``block_k`` (None: the shipped step) along K."""
+    if block_k is not None and (block_k < 16 or block_k & (block_k - 1)):
+        raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
+    if rows == 1 and (k <= _WHOLE_K_MAX if block_k is None else k <= block_k):
+        block_k = block_k or max(16, triton.next_power_of_2(k))
+        return max(1, _WHOLE_K_ELEMENTS // block_k), block_k, True
+    if norm:
+        return _NORM_BLOCK_N, block_k or _NORM_BLOCK_K, False
+    return _BLOCK_N, block_k or _BLOCK_K, False
+
+
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, block_k: int | None = None
 ) -> torch.Tensor:
     """``x`` [M <= SKINNY_MAX_ROWS, K] @ ``weight`` [N, K].T in ``x``'s
     16-bit dtype (fp32 accumulation), both with unit stride along K;
-    ``block_k`` is the K step (None: the launcher's; tests take small
-    ones)."""
+    ``block_k``: see :func:`skinny_tiles` (tests take small ones)."""
     check_skinny_operands(x, weight)
-    return _launch(x, weight, _BLOCK_N, block_k or _BLOCK_K, block_k, None)
+    return _launch(x, weight, block_k, None)
 
 
 def rms_norm_skinny_gemm(
@@ -295,27 +315,17 @@ def rms_norm_skinny_gemm(
         else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     norm = (residual, norm_weight, total, eps)
-    step = block_k or _NORM_BLOCK_K
-    return _launch(x, weight, _NORM_BLOCK_N, step, block_k, norm), total
+    return _launch(x, weight, block_k, norm), total
 
 
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    block_n: int,
-    block_k: int,
-    asked_block_k: int | None,
+    block_k: int | None,
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
 ) -> torch.Tensor:
-    """``block_n`` x ``block_k`` tiles, or whole-K ones for one row (where
-    ``asked_block_k`` is None and K is short enough, or covers K)."""
-    if block_k < 16 or block_k & (block_k - 1):
-        raise arg_error("block_k", f"a power of two >= 16, got {block_k}")
     (m, k), n = x.shape, weight.shape[0]
-    whole_k = m == 1 and (k <= block_k if asked_block_k else k <= _WHOLE_K_MAX)
-    if whole_k:
-        block_k = max(block_k, triton.next_power_of_2(k))
-        block_n = max(1, _WHOLE_K_ELEMENTS // block_k)
+    block_n, block_k, whole_k = skinny_tiles(m, k, norm is not None, block_k)
     residual, norm_weight, total, eps = norm or (None, None, None, 0.0)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m * n:
