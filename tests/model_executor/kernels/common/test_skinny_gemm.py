@@ -34,14 +34,14 @@ def test_matches_reference(device, m, n, k, block_k):
 
 def test_tiles_span_k_at_one_row():
     # (BLOCK_N, BLOCK_K, WHOLE_K): the decode shapes' whole-K tiles
-    assert skinny_tiles(1, 4096, norm=False) == (2, 4096, True)  # o_proj
-    assert skinny_tiles(1, 2048, norm=True) == (4, 2048, True)  # q/k/v
-    assert skinny_tiles(1, 96, norm=False) == (64, 128, True)
-    assert skinny_tiles(1, 8, norm=True) == (512, 16, True)
+    assert skinny_tiles(1, 4096, norm=False) == (4, 4096, True)  # o_proj
+    assert skinny_tiles(1, 2048, norm=True) == (8, 2048, True)  # q/k/v
+    assert skinny_tiles(1, 96, norm=False) == (128, 128, True)
+    assert skinny_tiles(1, 8, norm=True) == (1024, 16, True)
     assert skinny_tiles(1, 4097, norm=False) == (4, 1024, False)
     assert skinny_tiles(1, 4097, norm=True) == (8, 512, False)
     assert skinny_tiles(2, 4096, norm=False) == (4, 1024, False)
-    assert skinny_tiles(1, 96, norm=False, block_k=128) == (64, 128, True)
+    assert skinny_tiles(1, 96, norm=False, block_k=128) == (128, 128, True)
     assert skinny_tiles(1, 96, norm=False, block_k=64) == (4, 64, False)
     for bad in (0, 48, 8):
         with pytest.raises(ValueError, match="block_k: expected"):
