@@ -31,7 +31,9 @@ this one, ``benchmark_skinny_gemm``; a one-pass variant lost, 11.2 us).
 At one row and K <= 4096 (:func:`skinny_tiles`) a program's tile spans all
 of K: every weight load is issued before the PDL wait, while the kernel
 before runs, and one load of the row (the norm on it) follows the wait;
-stepped tiles wait for a weight round trip per K step after it.
+stepped tiles wait for a weight round trip per K step after it. In
+Qwen3-30B-A3B's decode step (H100, batch 1) q/k/v and the output
+projection went from 9.0 to 5.3 us each on the critical path.
 """
 
 from __future__ import annotations
