@@ -1,12 +1,22 @@
 """The decode-size GEMM against ``x.float() @ w.float().T`` (rounded once),
 also with the residual add and RMSNorm in its prologue."""
 
+import json
+
 import pytest
 import torch
 
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    asm_for_sm90,
+    compiled_in_own_process,
+    sass,
+)
+from tests.model_executor.kernels.marlin.test_gemv_mma import resources
 from vllm.model_executor.kernels.common.rms_norm import rms_norm, rms_norm_reference
 from vllm.model_executor.kernels.common.skinny_gemm import (
     SKINNY_MAX_ROWS,
+    _skinny_gemm_kernel,
     rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_applies,
@@ -46,6 +56,40 @@ def test_tiles_span_k_at_one_row():
     for bad in (0, 48, 8):
         with pytest.raises(ValueError, match="block_k: expected"):
             skinny_tiles(1, 96, norm=False, block_k=bad)
+
+
+MODULE = "tests.model_executor.kernels.common.test_skinny_gemm"
+
+
+def compile_kernels() -> None:
+    """The decode step's whole-K tiles (q/k/v with the norm, the output
+    projection) built for sm_90 (in a process of its own, by the test
+    below): a thread's 16-byte weight loads, those ptxas placed before the
+    PDL wait (``ACQBULK``), and the spill bytes."""
+    for norm, k in ((True, 2048), (False, 4096)):
+        block_n, block_k, whole_k = skinny_tiles(1, k, norm)
+        consts = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True,
+                      NORM=norm, HAS_RESIDUAL=norm, WHOLE_K=whole_k)  # fmt: skip
+        if not norm:
+            consts |= dict(res_ptr=None, norm_w_ptr=None, sum_ptr=None)
+        aligned = ("N", "K", "stride_xm", "stride_wn", "stride_rm")
+        cubin = asm_for_sm90(_skinny_gemm_kernel, consts, {}, aligned, 4)["cubin"]
+        before_wait = sass(cubin).partition("ACQBULK")[0].count("LDG.E.128")
+        usage = resources(cubin)
+        weight_loads = block_n * block_k * 2 // (16 * 128)  # 4 warps
+        print(COMPILED, json.dumps([weight_loads, before_wait, usage["LOCAL"],
+                                    usage["STACK"]]))  # fmt: skip
+
+
+def test_whole_k_tiles_load_every_weight_before_the_pdl_wait():
+    """What the whole-K tiles are for: all of a program's weights in flight
+    before it waits for the kernel before (ptxas may sink loads past the
+    wait), without spilling (121-124 registers, Triton 3.9)."""
+    builds = compiled_in_own_process(MODULE)
+    assert len(builds) == 2
+    for weight_loads, before_wait, local, stack in builds:
+        assert weight_loads == 16 and before_wait >= weight_loads
+        assert local == stack == 0
 
 
 def test_strided_rows_and_empty(device):
