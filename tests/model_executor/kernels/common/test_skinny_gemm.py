@@ -68,8 +68,10 @@ def compile_kernels() -> None:
     PDL wait (``ACQBULK``), and the spill bytes."""
     for norm, k in ((True, 2048), (False, 4096)):
         block_n, block_k, whole_k = skinny_tiles(1, k, norm)
-        consts = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True,
-                      NORM=norm, HAS_RESIDUAL=norm, WHOLE_K=whole_k)  # fmt: skip
+        consts: dict[str, object] = dict(
+            BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, NORM=norm,
+            HAS_RESIDUAL=norm, WHOLE_K=whole_k,
+        )  # fmt: skip
         if not norm:
             consts |= dict(res_ptr=None, norm_w_ptr=None, sum_ptr=None)
         aligned = ("N", "K", "stride_xm", "stride_wn", "stride_rm")
