@@ -186,7 +186,8 @@ def main() -> None:
         sg._skinny_gemm_kernel[(triton.cdiv(n, bn),)](
             x, w, out, None, None, None, 1, n, k, x.stride(0), w.stride(0), 0, 0.0,
             BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, PDL=True, NORM=False,
-            HAS_RESIDUAL=False, WHOLE_K=bk >= k, num_warps=warps, launch_pdl=True,
+            HAS_RESIDUAL=False, WHOLE_K=sg.skinny_tiles(1, k, False, bk)[2],
+            num_warps=warps, launch_pdl=True,
         )  # fmt: skip
         return out
 

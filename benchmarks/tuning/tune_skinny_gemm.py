@@ -48,7 +48,7 @@ def launch(
         x, w, out, residual, norm_weight, total, m, n, k, x.stride(0), w.stride(0),
         k, 1e-6, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         PDL=False, NORM=norm is not None, HAS_RESIDUAL=norm is not None,
-        WHOLE_K=m == 1 and block_k >= k, num_warps=warps,
+        WHOLE_K=sg.skinny_tiles(m, k, norm is not None, block_k)[2], num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -79,7 +79,8 @@ def sweep(layer: str, rows: int, copy_gbps: float, fused: bool) -> None:
 
     for config in itertools.product(BLOCK_N, BLOCK_K, WARPS):
         bn, bk, warps = config
-        held = bn * bk // 2 if rows == 1 and bk >= k else rows * bn * bk
+        whole_k = sg.skinny_tiles(rows, k, fused, bk)[2]
+        held = bn * bk // 2 if whole_k else rows * bn * bk
         if held > MAX_ACC * 32 * warps or bk > k:
             continue
         got = launch(x, weights[0], out, bn, bk, warps, norm)
