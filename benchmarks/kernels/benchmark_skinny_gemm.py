@@ -91,7 +91,7 @@ def bench(layer: str, rows: int, copy_gbps: float) -> Row:
     def of_copy(us: float) -> float:
         return weight_bytes / (us * 1e-6) / (copy_gbps * 1e9)
 
-    applies = skinny_gemm_applies(rows, n, x.dtype, pdl(x.device))
+    applies = skinny_gemm_applies(rows, n, k, x.dtype, pdl(x.device))
     picked = "skinny" if applies else "cublas"
     return Row(
         layer, n, k, rows, times["skinny"], times["cublas"],

@@ -27,7 +27,7 @@ def skinny_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 64])
-# skinny at 1-2 rows, skinny at 1 row with PDL only, cuBLAS
+# skinny at 1-2 rows; past 2048 rows skinny at 1 row with PDL only (whole K)
 @pytest.mark.parametrize("out_features", [80, 4096, 6144])
 @pytest.mark.parametrize("with_pdl", [True, False])
 def test_matches_nn_linear(
@@ -44,12 +44,14 @@ def test_matches_nn_linear(
     torch.testing.assert_close(out, ref, atol=0.1, rtol=2e-2)
     # leading dims pass through
     assert layer(x.view(1, rows, 256)).shape == (1, rows, out_features)
-    skinny = out_features <= {1: 5120 if with_pdl else 2048, 2: 2048}.get(rows, 0)
+    one_row_any_n = rows == 1 and with_pdl  # K = 256: whole-K tiles
+    skinny = one_row_any_n or (rows in (1, 2) and out_features <= 2048)
     assert skinny_calls == ([rows, rows] if skinny else [])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("out_features", [80, 6144])  # skinny at 1-2 rows, never
+# skinny at 1-2 rows; at 1 row (whole K) only
+@pytest.mark.parametrize("out_features", [80, 6144])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_linear_fuses_the_norm_where_skinny_runs(
     device, rows, out_features, with_residual, monkeypatch
@@ -78,11 +80,15 @@ def test_rms_norm_linear_fuses_the_norm_where_skinny_runs(
     out, total = linear.rms_norm_linear(norm, layer, x, residual)
     normed, expected_total = rms_norm_reference(x, norm.weight, 1e-6, residual)
     ref = torch.nn.functional.linear(normed.float(), layer.weight.float()).bfloat16()
-    torch.testing.assert_close(out, ref, atol=0.25, rtol=2e-2)
+    # 2% of the largest output: the interpreter truncates the bf16 sum that
+    # the norm reads (one step off the reference's inputs, over K = 256)
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    torch.testing.assert_close(out, ref, atol=0.02 * scale, rtol=2e-2)
     if residual is None:
         assert total is x
     else:
         # one bf16 step: the interpreter rounds the sum to bf16 by truncation
         torch.testing.assert_close(total, expected_total, atol=1e-6, rtol=2**-7)
         assert before is not None and torch.equal(residual, before)
-    assert fused == ([rows] if rows <= 2 and out_features == 80 else [])
+    skinny = rows == 1 or (rows == 2 and out_features == 80)
+    assert fused == ([rows] if skinny else [])

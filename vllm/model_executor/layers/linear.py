@@ -44,7 +44,9 @@ class UnquantizedLinear(nn.Linear):
     def _skinny(self, x: torch.Tensor, rows: int) -> bool:
         return (
             runs_gpu_kernels(x)
-            and skinny_gemm_applies(rows, self.out_features, x.dtype, pdl(x.device))
+            and skinny_gemm_applies(
+                rows, self.out_features, self.in_features, x.dtype, pdl(x.device)
+            )
             and x.stride(-1) == 1
         )
 

@@ -105,16 +105,22 @@ def test_strided_rows_and_empty(device):
 def test_applies_where_it_was_measured_to_win():
     bf16 = torch.bfloat16
     for with_pdl in (True, False):
-        assert skinny_gemm_applies(1, 128, bf16, with_pdl)  # a router
-        assert skinny_gemm_applies(2, 2048, bf16, with_pdl)  # an output projection
-        assert not skinny_gemm_applies(2, 5120, bf16, with_pdl)  # cuBLAS at 2 rows
-        assert not skinny_gemm_applies(1, 5121, bf16, with_pdl)
-        assert not skinny_gemm_applies(4, 128, bf16, with_pdl)
-        assert not skinny_gemm_applies(0, 128, bf16, with_pdl)
-        assert not skinny_gemm_applies(1, 128, torch.float32, with_pdl)
-    # q/k/v at one row: only launched with PDL, after a kernel that was
-    assert skinny_gemm_applies(1, 5120, bf16, with_pdl=True)
-    assert not skinny_gemm_applies(1, 5120, bf16, with_pdl=False)
+        assert skinny_gemm_applies(1, 128, 2048, bf16, with_pdl)  # a router
+        # an output projection
+        assert skinny_gemm_applies(2, 2048, 4096, bf16, with_pdl)
+        assert not skinny_gemm_applies(2, 5120, 2048, bf16, with_pdl)  # cuBLAS
+        assert not skinny_gemm_applies(4, 128, 2048, bf16, with_pdl)
+        assert not skinny_gemm_applies(0, 128, 2048, bf16, with_pdl)
+        assert not skinny_gemm_applies(1, 128, 2048, torch.float32, with_pdl)
+    # One row launched with PDL, after a kernel that was: q/k/v and the head
+    # on whole-K tiles, longer K on stepped tiles up to 5120 weight rows
+    assert skinny_gemm_applies(1, 5120, 2048, bf16, with_pdl=True)
+    assert skinny_gemm_applies(1, 151936, 2048, bf16, with_pdl=True)
+    assert skinny_gemm_applies(1, 151936, 4096, bf16, with_pdl=True)
+    assert skinny_gemm_applies(1, 5120, 4097, bf16, with_pdl=True)
+    assert not skinny_gemm_applies(1, 5121, 4097, bf16, with_pdl=True)
+    assert not skinny_gemm_applies(1, 5120, 2048, bf16, with_pdl=False)
+    assert not skinny_gemm_applies(1, 151936, 2048, bf16, with_pdl=False)
 
 
 def test_bad_arguments_are_named(device):

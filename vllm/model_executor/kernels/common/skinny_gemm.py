@@ -1,6 +1,6 @@
-"""``x @ weight.T`` for one or two rows of ``x`` and a weight of at most
-2048 rows (a MoE router or an attention output projection at decode), in
-Triton.
+"""``x @ weight.T`` for one or two rows of ``x`` and a short weight (a MoE
+router or an attention output projection at decode; at one token also
+q/k/v and the head), in Triton.
 
 At decode a dense layer's GEMM streams its weight once for a token or two:
 the time is the weight's bytes over HBM bandwidth, if enough of the GPU
@@ -17,8 +17,9 @@ q/k/v follows another kernel, and this kernel, launched with PDL, streams
 its first weight tiles while that one finishes (7.8 against cuBLAS's 9.0 us
 past an RMSNorm, ``benchmarks/tuning/probe_l2_prefetch.py``; the norm now
 runs in the prologue, below, and the q/k/v GEMM follows the previous
-layer's MoE), so ``skinny_gemm_applies`` admits 5120 rows at one token. A ``tl.dot``
-version of this kernel (rows padded to 16) lost everywhere.
+layer's MoE), so ``skinny_gemm_applies`` admits 5120 rows at one token,
+and any number on whole-K tiles (below). A ``tl.dot`` version of this
+kernel (rows padded to 16) lost everywhere.
 ``skinny_gemm_reference`` is the oracle.
 
 ``rms_norm_skinny_gemm`` also takes the decoder's residual add + RMSNorm
@@ -33,7 +34,9 @@ of K: every weight load is issued before the PDL wait, while the kernel
 before runs, and one load of the row (the norm on it) follows the wait;
 stepped tiles wait for a weight round trip per K step after it. In
 Qwen3-30B-A3B's decode step (H100, batch 1) q/k/v and the output
-projection went from 9.0 to 5.3 us each on the critical path.
+projection went from 9.0 to 5.3 us each on the critical path, and the
+head (151,936 x 2048), which cuBLAS streamed slower (219 against 199 us
+alone), moved off it: TPOT -17 us (fp8 and bf16).
 """
 
 from __future__ import annotations
@@ -60,15 +63,24 @@ _NORM_BLOCK_N, _NORM_BLOCK_K = 8, 512
 # row follows it (stepped tiles wait for a weight round trip per K step
 # after it). Weights a program, by fp8 TPOT of Qwen3-30B-A3B's decode at
 # batch 1 (H100): 16384 (4 x 4096, 8 x 2048) 2.378-2.381 ms; 8192 2.415;
-# 4096 2.399; 16384 at 8 warps 2.405; 32768 at 8 warps 2.393
+# 4096 2.399; 16384 at 8 warps 2.405; 32768 at 8 warps 2.393. The head
+# (151,936 x 2048) on these tiles: fp8 TPOT 2.360 / 2.363 against 2.379 /
+# 2.379 ms on cuBLAS, bf16 2.861 against 2.878 (H100, one lease)
 _WHOLE_K_MAX = 4096
 _WHOLE_K_ELEMENTS = 16384
 
 
-def skinny_gemm_applies(rows: int, n: int, dtype: torch.dtype, with_pdl: bool) -> bool:
-    """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product;
-    ``with_pdl``: whether it would launch with PDL (:func:`~.pdl.pdl`)."""
-    max_n = SKINNY_MAX_N_ONE_ROW if rows == 1 and with_pdl else SKINNY_MAX_N
+def skinny_gemm_applies(
+    rows: int, n: int, k: int, dtype: torch.dtype, with_pdl: bool
+) -> bool:
+    """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product
+    [rows, k] @ [n, k].T; ``with_pdl``: whether it would launch with PDL
+    (:func:`~.pdl.pdl`). One row on whole-K tiles takes any ``n``: in a
+    decode step it won at 5120 (q/k/v) and at 151,936 (the head, below)."""
+    if rows == 1 and with_pdl:
+        max_n = n if k <= _WHOLE_K_MAX else SKINNY_MAX_N_ONE_ROW
+    else:
+        max_n = SKINNY_MAX_N
     return (
         0 < rows <= SKINNY_MAX_ROWS
         and n <= max_n

@@ -81,9 +81,9 @@ def router_logits(
     """``hidden_states @ gate_weight.T`` in their dtype: ``skinny_gemm`` on a
     GPU where it applies, else ``F.linear``."""
     if runs_gpu_kernels(hidden_states) and _router_fits(hidden_states, gate_weight):
-        rows, num_experts = hidden_states.shape[0], gate_weight.shape[0]
-        with_pdl = pdl(hidden_states.device)
-        if skinny_gemm_applies(rows, num_experts, hidden_states.dtype, with_pdl):
+        (rows, hidden), num_experts = hidden_states.shape, gate_weight.shape[0]
+        dtype, with_pdl = hidden_states.dtype, pdl(hidden_states.device)
+        if skinny_gemm_applies(rows, num_experts, hidden, dtype, with_pdl):
             return skinny_gemm(hidden_states, gate_weight)
     return F.linear(hidden_states, gate_weight)
 
