@@ -49,11 +49,15 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         norm_rope: QKNormRope | None = None,
+        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q`` [T, heads, head_size], ``k``/``v`` [T, kv_heads, head_size]
         -> [T, heads * head_size]. ``norm_rope``: ``q`` and ``k`` (heads at
         unit stride, a power-of-two size) still need it, on the Triton path;
-        they may be left normalized and rotated in place, or as they were."""
+        they may be left normalized and rotated in place, or as they were.
+        ``prefetch``: the weight of the GEMM that follows (the output
+        projection), warmed in L2 while the attention runs, on the Triton
+        path where it may (:mod:`~.kernels.common.l2_prefetch`)."""
         meta = current_attn_metadata()
         if meta is None:
             if norm_rope is not None:
@@ -83,6 +87,7 @@ class Attention(nn.Module):
             meta.max_query_len,
             self.scale,
             new_kv,
+            prefetch,
         )
 
     @staticmethod

@@ -212,7 +212,11 @@ class Qwen3MoeAttention(nn.Module):
             self.rotary_emb.cos_sin,
             positions,
         )
-        out = self.o_proj(self.attn(q, k, v, norm_rope))
+        # the 16-bit output projection's weight streams into L2 meanwhile
+        o_weight = (
+            self.o_proj.weight if isinstance(self.o_proj, UnquantizedLinear) else None
+        )
+        out = self.o_proj(self.attn(q, k, v, norm_rope, o_weight))
         return _all_reduce(out, self.tp_group)
 
 

@@ -1,9 +1,19 @@
 """The Triton paged attention against the plain-PyTorch one (its oracle), on
 CPU tensors under ``TRITON_INTERPRET=1``, or on CUDA where there is one."""
 
+import json
+
 import pytest
 import torch
 
+from tests.model_executor.kernels.grouped_gemm.utils import (
+    COMPILED,
+    asm_for_sm90,
+    compiled_in_own_process,
+    sass,
+)
+from vllm.model_executor.kernels.common.l2_prefetch import prefetchable
+from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -14,6 +24,7 @@ from vllm.v1.attention.backends.torch_paged import (
 )
 from vllm.v1.attention.backends.triton_paged import (
     DecodeKV,
+    _combine_splits_kernel,
     num_kv_splits,
     triton_paged_attention,
 )
@@ -50,7 +61,7 @@ def _step(
     return q, cache, meta
 
 
-def _run(q, cache, meta, scale):
+def _run(q, cache, meta, scale, prefetch=None):
     return triton_paged_attention(
         q,
         cache[0],
@@ -60,6 +71,7 @@ def _run(q, cache, meta, scale):
         meta.query_start_loc,
         meta.max_query_len,
         scale,
+        prefetch=prefetch,
     )
 
 
@@ -280,6 +292,54 @@ def test_bf16_qwen3_heads_match_torch_on_gpu(decode):
     ref = paged_attention(q.float(), cache.float(), meta, 128**-0.5)
     out = _run(q, cache, meta, 128**-0.5).float()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+MODULE = "tests.v1.attention.backends.test_triton_paged"
+
+
+def compile_kernels() -> None:
+    """The split combine built for sm_90 with and without a prefetch (in a
+    process of its own, by the test below): its L2 bulk prefetches
+    (``UBLKPF``) before and after the PDL wait (``ACQBULK``)."""
+    for prefetch in (True, False):
+        consts = dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=32, PDL=True,
+                      PREFETCH=prefetch)  # fmt: skip
+        pointers = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "prefetch_ptr": "*u8"}
+        aligned = ("stride_ot", "stride_oh")
+        cubin = asm_for_sm90(_combine_splits_kernel, consts, pointers, aligned, 4)
+        before, _, after = sass(cubin["cubin"]).partition("ACQBULK")
+        print(COMPILED, json.dumps([prefetch, before.count("UBLKPF"),
+                                    after.count("UBLKPF")]))  # fmt: skip
+
+
+def test_the_combine_prefetches_before_its_pdl_wait():
+    """While the attention runs, i.e. before the combine's wait; none
+    after it, and none without a weight to prefetch."""
+    builds = compiled_in_own_process(MODULE)
+    assert [prefetch for prefetch, _, _ in builds] == [True, False]
+    for prefetch, before_wait, after_wait in builds:
+        assert after_wait == 0 and (before_wait > 0) == prefetch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_prefetching_the_next_weight_changes_nothing_on_gpu(num_seqs):
+    """Qwen3-30B-A3B's heads at decode (split KV: the combine runs) with its
+    output projection's weight prefetched: the same bits out, the weight
+    untouched."""
+    torch.manual_seed(4)
+    lens = {str(i): 600 - 111 * i for i in range(num_seqs)}
+    chunks = [(r, n - 1, n) for r, n in lens.items()]
+    q, cache, meta = _step(32, 4, 128, 16, chunks, lens, "cuda", torch.bfloat16)
+    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    before = weight.clone()
+    plain = _run(q, cache, meta, 128**-0.5)
+    # (the prefetch runs where kernels launch with PDL: Hopper on)
+    assert prefetchable(weight) == pdl(q.device)
+    assert num_kv_splits(num_seqs, 4, 1, q.device) > 1
+    warmed = _run(q, cache, meta, 128**-0.5, prefetch=weight)
+    assert torch.equal(warmed, plain) and torch.equal(weight, before)
 
 
 def test_no_tokens_and_bad_metadata(device):

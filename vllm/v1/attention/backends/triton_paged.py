@@ -46,6 +46,11 @@ import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import check_contiguous
 from vllm.model_executor.kernels.common.device_info import num_sms
+from vllm.model_executor.kernels.common.l2_prefetch import (
+    l2_prefetch,
+    prefetch_chunk,
+    prefetchable,
+)
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.qk_norm_rope import (
     QKNormRope,
@@ -335,10 +340,17 @@ def _combine_splits_kernel(
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
+    prefetch_ptr,  # PREFETCH: the bytes of a weight the next kernel reads
+    prefetch_bytes,
+    prefetch_chunk,  # bytes a program prefetches
+    PREFETCH: tl.constexpr,
 ):
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if PREFETCH:  # while the attention runs (see :mod:`~.l2_prefetch`)
+        start = (t * num_heads + h) * prefetch_chunk
+        l2_prefetch(prefetch_ptr, prefetch_bytes, start, prefetch_chunk)
+    pdl_wait(PDL)
     row = (t * num_heads + h) * NUM_SPLITS
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
@@ -397,6 +409,7 @@ def triton_paged_attention(
     max_query_len: int,
     scale: float,
     new_kv: DecodeKV | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` [T, H, D] (the batch's new tokens, request after
     request) over the paged caches [num_blocks, block_size, KVH, D], whose
@@ -404,7 +417,9 @@ def triton_paged_attention(
     decode batch: ``max_query_len`` 1, a power-of-two head size), whose
     new keys and values it writes itself after normalizing and rotating
     them and ``q`` (left as they were in memory); returns [T, H * D].
-    ``max_query_len`` must bound every request's new tokens."""
+    ``max_query_len`` must bound every request's new tokens. ``prefetch``:
+    a weight the next kernel reads, which the split combine warms in L2
+    while the attention runs (:mod:`~.l2_prefetch`), where it may."""
     tokens, heads, head_dim = q.shape
     _, page, kv_heads, cache_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -534,6 +549,8 @@ def triton_paged_attention(
         launch_pdl=launch_pdl,
     )
     if splits > 1:
+        warm = prefetch if prefetch is not None and prefetchable(prefetch) else None
+        warm_bytes = (out if warm is None else warm).view(-1).view(torch.uint8)
         _combine_splits_kernel[(tokens, heads)](
             out,
             partial,
@@ -545,6 +562,10 @@ def triton_paged_attention(
             D_PAD=d_pad,
             NUM_SPLITS=splits,
             PDL=launch_pdl,
+            prefetch_ptr=warm_bytes,
+            prefetch_bytes=warm_bytes.numel(),
+            prefetch_chunk=prefetch_chunk(warm_bytes.numel(), tokens * heads),
+            PREFETCH=warm is not None,
             launch_pdl=launch_pdl,
         )
     return out.view(tokens, heads * head_dim)

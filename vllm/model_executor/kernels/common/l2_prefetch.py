@@ -1,0 +1,65 @@
+"""Warm a weight in L2 from a kernel that waits anyway.
+
+In a decode step at a few tokens the paged attention and its split
+combine are latency-bound: HBM idles while they run. The output projection
+after them streams its weight (16.8 MB in Qwen3-30B-A3B) only once the
+combine lets it start (PDL starts one kernel early, not two). So the
+combine's programs, which start while the attention runs, issue bulk L2
+prefetches of that weight before their PDL wait, and the projection reads
+it from L2. Qwen3-30B-A3B at batch 1 (H100, one lease): TPOT fp8 2.345 /
+2.341 -> 2.291 / 2.289 ms, bf16 2.835 -> 2.783.
+
+Only weights (no kernel of the step writes them: prefetching before the
+wait keeps the PDL contract, :mod:`~.pdl`) of at most half the L2, so that
+the step's activations and KV keep the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.model_executor.kernels.common.pdl import pdl
+
+LINE = 2048  # bytes of one bulk prefetch (cp.async.bulk.prefetch.L2)
+_LINE: tl.constexpr = tl.constexpr(LINE)
+_LINES: tl.constexpr = tl.constexpr(128)  # a program's prefetches per step
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes, start, chunk):
+    """Prefetch bytes [start, start + chunk) of the ``nbytes`` at ``ptr``
+    (a byte pointer) into L2, in whole lines, clamped to the last line."""
+    for off in range(start, start + chunk, _LINE * _LINES):
+        lines = tl.minimum(off + tl.arange(0, _LINES) * _LINE, nbytes - _LINE)
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0;", "=r,l",
+            [ptr + lines], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+def prefetch_chunk(nbytes: int, programs: int) -> int:
+    """Bytes each of ``programs`` prefetches so that they cover ``nbytes``:
+    whole lines, as few as that takes."""
+    return triton.cdiv(triton.cdiv(nbytes, programs), LINE) * LINE
+
+
+def prefetchable(weight: torch.Tensor) -> bool:
+    """Whether kernels on ``weight``'s device prefetch it: launched with PDL
+    (Hopper), contiguous, 16-byte aligned whole lines' worth, and at most
+    half of the L2."""
+    nbytes = weight.numel() * weight.element_size()
+    return (
+        pdl(weight.device)
+        and weight.is_contiguous()
+        and weight.data_ptr() % 16 == nbytes % 16 == 0
+        and LINE <= nbytes <= _l2_bytes(weight.device.index) // 2
+    )
+
+
+@functools.cache  # asked per launch; never changes
+def _l2_bytes(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
