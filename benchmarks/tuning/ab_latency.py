@@ -37,8 +37,11 @@ def unpacked(tree: str, into: Path) -> Path:
     return out
 
 
-def run_latency(tree: Path, quantization: str, args: argparse.Namespace) -> dict:
-    """One ``benchmark_latency`` run of ``tree``: its JSON row."""
+def run_latency(
+    tree: Path, name: str, quantization: str, args: argparse.Namespace
+) -> dict:
+    """One ``benchmark_latency`` run of ``tree`` (given as ``name``): its
+    JSON row."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [
             sys.executable, str(tree / "benchmarks" / "benchmark_latency.py"),
@@ -48,12 +51,25 @@ def run_latency(tree: Path, quantization: str, args: argparse.Namespace) -> dict
         ]  # fmt: skip
         if quantization != "none":
             command += ["--quantization", quantization]
-        env = os.environ | {"PYTHONPATH": str(tree)}
-        run = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+        path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+        env = os.environ | {"PYTHONPATH": path}
+        run = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=900
+        )
         if run.returncode:
-            raise RuntimeError(f"{tree} ({quantization}):\n{run.stderr[-3000:]}")
+            raise RuntimeError(f"{name} ({quantization}):\n{run.stderr[-3000:]}")
         report = json.loads(Path(result.name).read_text())
     return report["rows"][0] | {"device": report["device"]}
+
+
+def write_runs(
+    path: Path, names: list[str], runs: dict[tuple[str, int], list[dict]]
+) -> None:
+    table = [
+        {"quantization": q, "tree": names[i], "runs": rows}
+        for (q, i), rows in runs.items()
+    ]
+    path.write_text(json.dumps(table, indent=2))
 
 
 def main() -> None:
@@ -68,14 +84,18 @@ def main() -> None:
     parser.add_argument("--num-iters", type=int, default=2)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected >= 1, got {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         trees = [unpacked(tree, Path(tmp)) for tree in args.trees]
         runs: dict[tuple[str, int], list[dict]] = {}
         for _ in range(args.repeats):
             for quantization in args.quantization:
                 for i, tree in enumerate(trees):
-                    row = run_latency(tree, quantization, args)
+                    row = run_latency(tree, args.trees[i], quantization, args)
                     runs.setdefault((quantization, i), []).append(row)
+                    if args.output_json:  # what finished survives a later failure
+                        write_runs(args.output_json, args.trees, runs)
                     tpot = row["tpot_ms"]
                     print(f"{quantization} {args.trees[i]}: TPOT {tpot:.3f} ms")
     device = runs[(args.quantization[0], 0)][0]["device"]
@@ -92,10 +112,6 @@ def main() -> None:
             of_bound = best / rows[0]["bound_ms"]
             print(f"| {quantization} | {name} | {each} | {best:.3f} | "
                   f"{best / first:.3f} | {of_bound:.2f}x |")  # fmt: skip
-    if args.output_json:
-        table = [{"quantization": q, "tree": args.trees[i], "runs": rows}
-                 for (q, i), rows in runs.items()]  # fmt: skip
-        args.output_json.write_text(json.dumps(table, indent=2))
 
 
 if __name__ == "__main__":

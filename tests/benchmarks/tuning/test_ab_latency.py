@@ -44,8 +44,12 @@ def test_an_archive_and_a_directory_in_turn(tmp_path):
     assert second.startswith("| none | . |")
 
 
-def test_a_tree_that_fails_is_named(tmp_path):
+def test_a_tree_that_fails_is_named_as_given(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    run = ab_latency(str(empty), "--repeats", "1")
-    assert run.returncode != 0 and f"{empty} (none):" in run.stderr
+    archive = tmp_path / "empty.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(empty, arcname="vllm")
+    for tree in (empty, archive):
+        run = ab_latency(str(tree), "--repeats", "1")
+        assert run.returncode != 0 and f"{tree} (none):" in run.stderr

@@ -78,12 +78,12 @@ def test_rms_norm_linear_fuses_the_norm_where_skinny_runs(
     residual = torch.randn_like(x) if with_residual else None
     before = None if residual is None else residual.clone()
     out, total = linear.rms_norm_linear(norm, layer, x, residual)
-    normed, expected_total = rms_norm_reference(x, norm.weight, 1e-6, residual)
+    _, expected_total = rms_norm_reference(x, norm.weight, 1e-6, residual)
+    # the product of the norm of the kernel's own sum (the interpreter rounds
+    # that sum to bf16 by truncation)
+    normed, _ = rms_norm_reference(total, norm.weight, 1e-6)
     ref = torch.nn.functional.linear(normed.float(), layer.weight.float()).bfloat16()
-    # 2% of the largest output: the interpreter truncates the bf16 sum that
-    # the norm reads (one step off the reference's inputs, over K = 256)
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    torch.testing.assert_close(out, ref, atol=0.02 * scale, rtol=2e-2)
+    torch.testing.assert_close(out, ref, atol=0.25, rtol=2e-2)
     if residual is None:
         assert total is x
     else:

@@ -19,8 +19,9 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 class UnquantizedLinear(nn.Linear):
     """A bias-free ``nn.Linear`` (frozen weight); on a GPU the products that
     ``skinny_gemm`` wins (a token or two through a short weight: a MoE
-    router or an output projection at decode; q/k/v at one token where
-    kernels launch with PDL) run there, the others are ``nn.Linear``'s."""
+    router or an output projection at decode; at one token where kernels
+    launch with PDL, any weight of K <= 4096, as q/k/v and the head) run
+    there, the others are ``nn.Linear``'s."""
 
     def __init__(
         self,

@@ -307,8 +307,8 @@ def compile_kernels() -> None:
         pointers = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "prefetch_ptr": "*u8"}
         aligned = ("stride_ot", "stride_oh")
         cubin = asm_for_sm90(_combine_splits_kernel, consts, pointers, aligned, 4)
-        before, _, after = sass(cubin["cubin"]).partition("ACQBULK")
-        print(COMPILED, json.dumps([prefetch, before.count("UBLKPF"),
+        before, wait, after = sass(cubin["cubin"]).partition("ACQBULK")
+        print(COMPILED, json.dumps([prefetch, wait, before.count("UBLKPF"),
                                     after.count("UBLKPF")]))  # fmt: skip
 
 
@@ -316,9 +316,10 @@ def test_the_combine_prefetches_before_its_pdl_wait():
     """While the attention runs, i.e. before the combine's wait; none
     after it, and none without a weight to prefetch."""
     builds = compiled_in_own_process(MODULE)
-    assert [prefetch for prefetch, _, _ in builds] == [True, False]
-    for prefetch, before_wait, after_wait in builds:
-        assert after_wait == 0 and (before_wait > 0) == prefetch
+    assert [prefetch for prefetch, *_ in builds] == [True, False]
+    for prefetch, wait, before_wait, after_wait in builds:
+        assert wait == "ACQBULK" and after_wait == 0
+        assert (before_wait > 0) == prefetch
 
 
 @pytest.mark.gpu
@@ -340,6 +341,13 @@ def test_prefetching_the_next_weight_changes_nothing_on_gpu(num_seqs):
     assert num_kv_splits(num_seqs, 4, 1, q.device) > 1
     warmed = _run(q, cache, meta, 128**-0.5, prefetch=weight)
     assert torch.equal(warmed, plain) and torch.equal(weight, before)
+
+
+def test_a_prefetch_on_another_device_is_refused(device):
+    q, cache, meta = _step(4, 2, 16, 4, [("a", 2, 3)], {"a": 3}, device)
+    elsewhere = torch.empty(1024, device="meta")
+    with pytest.raises(ValueError, match=f"prefetch: expected a tensor on {device}"):
+        _run(q, cache, meta, 1.0, prefetch=elsewhere)
 
 
 def test_no_tokens_and_bad_metadata(device):

@@ -37,6 +37,16 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def l2_bytes(device: torch.device) -> int:
+    """L2 cache bytes of CUDA ``device``."""
+    return _cuda_l2_bytes(_index(device))
+
+
+@functools.cache  # asked per launch; never changes
+def _cuda_l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
 def capability(device: torch.device) -> tuple[int, int] | None:
     """CUDA compute capability of ``device`` (None off CUDA)."""
     return _cuda_capability(_index(device)) if device.type == "cuda" else None

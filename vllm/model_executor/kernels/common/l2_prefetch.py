@@ -16,32 +16,44 @@ the step's activations and KV keep the rest.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from vllm.model_executor.kernels.common.device_info import l2_bytes
 from vllm.model_executor.kernels.common.pdl import pdl
 
 LINE = 2048  # bytes of one bulk prefetch (cp.async.bulk.prefetch.L2)
 _LINE: tl.constexpr = tl.constexpr(LINE)
-_LINES: tl.constexpr = tl.constexpr(128)  # a program's prefetches per step
+_LINES: tl.constexpr = tl.constexpr(128)  # a program's prefetches a step
 
 
 @triton.jit
-def l2_prefetch(ptr, nbytes, start, chunk):
-    """Prefetch bytes [start, start + chunk) of the ``nbytes`` at ``ptr``
-    (a byte pointer) into L2, in whole lines, clamped to the last line."""
-    for off in range(start, start + chunk, _LINE * _LINES):
-        lines = tl.minimum(off + tl.arange(0, _LINES) * _LINE, nbytes - _LINE)
+def prefetch_lines(off, start, share, nbytes):
+    """The byte offsets of the lines a program prefetches in its step at
+    ``off`` of its ``share`` from ``start``: past the share's end (or the
+    weight's) the last line again, which a warp issues once."""
+    last = tl.minimum(start + share, nbytes) - _LINE
+    return tl.minimum(off + tl.arange(0, _LINES) * _LINE, last)
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes, start, share):
+    """Prefetch bytes [start, start + share) of the ``nbytes`` at ``ptr``
+    into L2 in whole lines. ``ptr`` is a byte pointer, 16-byte aligned,
+    ``nbytes`` a multiple of 16 and at least a line, ``start`` and
+    ``share`` multiples of a line (:func:`prefetchable`,
+    :func:`prefetch_share`)."""
+    tl.static_assert(ptr.dtype.element_ty == tl.uint8, "ptr: a byte pointer")
+    for off in range(start, start + share, _LINE * _LINES):
+        lines = prefetch_lines(off, start, share, nbytes)
         tl.inline_asm_elementwise(
             "cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0;", "=r,l",
             [ptr + lines], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
 
-def prefetch_chunk(nbytes: int, programs: int) -> int:
+def prefetch_share(nbytes: int, programs: int) -> int:
     """Bytes each of ``programs`` prefetches so that they cover ``nbytes``:
     whole lines, as few as that takes."""
     return triton.cdiv(triton.cdiv(nbytes, programs), LINE) * LINE
@@ -49,17 +61,12 @@ def prefetch_chunk(nbytes: int, programs: int) -> int:
 
 def prefetchable(weight: torch.Tensor) -> bool:
     """Whether kernels on ``weight``'s device prefetch it: launched with PDL
-    (Hopper), contiguous, 16-byte aligned whole lines' worth, and at most
-    half of the L2."""
+    (Hopper), contiguous, at a 16-byte aligned address, a multiple of 16
+    bytes from one line to half the L2."""
     nbytes = weight.numel() * weight.element_size()
     return (
         pdl(weight.device)
         and weight.is_contiguous()
         and weight.data_ptr() % 16 == nbytes % 16 == 0
-        and LINE <= nbytes <= _l2_bytes(weight.device.index) // 2
+        and LINE <= nbytes <= l2_bytes(weight.device) // 2
     )
-
-
-@functools.cache  # asked per launch; never changes
-def _l2_bytes(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size

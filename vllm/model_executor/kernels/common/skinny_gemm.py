@@ -11,15 +11,16 @@ took a split-K kernel plus a reduction, 9.4 us. Here each program streams
 ``BLOCK_N`` weight rows as a matrix-vector product on the CUDA cores: the
 output projection in 7.6 us at 4 rows x 1024 K per program (8.0 at 8 rows;
 ``benchmarks/tuning/tune_skinny_gemm.py``). For longer weights cuBLAS
-streams as fast or faster on its own (q/k/v, 5120 x 2048: 8.1 vs 8.6 us;
-the head, 151936 x 2048: 149 vs 161 us), but not in a decode step: there
-q/k/v follows another kernel, and this kernel, launched with PDL, streams
-its first weight tiles while that one finishes (7.8 against cuBLAS's 9.0 us
-past an RMSNorm, ``benchmarks/tuning/probe_l2_prefetch.py``; the norm now
-runs in the prologue, below, and the q/k/v GEMM follows the previous
-layer's MoE), so ``skinny_gemm_applies`` admits 5120 rows at one token,
-and any number on whole-K tiles (below). A ``tl.dot`` version of this
-kernel (rows padded to 16) lost everywhere.
+streamed as fast or faster than stepped tiles alone (H200: q/k/v, 5120 x
+2048: 8.1 vs 8.6 us; the head, 151936 x 2048: 149 vs 161 us), but not in
+a decode step: there q/k/v follows another kernel, and this kernel,
+launched with PDL, streams its first weight tiles while that one finishes
+(7.8 against cuBLAS's 9.0 us past an RMSNorm,
+``benchmarks/tuning/probe_l2_prefetch.py``; the norm now runs in the
+prologue, below, and the q/k/v GEMM follows the previous layer's MoE), so
+``skinny_gemm_applies`` admits 5120 rows at one token, and any number on
+whole-K tiles (below). A ``tl.dot`` version of this kernel (rows padded to
+16) lost everywhere.
 ``skinny_gemm_reference`` is the oracle.
 
 ``rms_norm_skinny_gemm`` also takes the decoder's residual add + RMSNorm
@@ -35,8 +36,10 @@ before runs, and one load of the row (the norm on it) follows the wait;
 stepped tiles wait for a weight round trip per K step after it. In
 Qwen3-30B-A3B's decode step (H100, batch 1) q/k/v and the output
 projection went from 9.0 to 5.3 us each on the critical path, and the
-head (151,936 x 2048), which cuBLAS streamed slower (219 against 199 us
-alone), moved off it: TPOT -17 us (fp8 and bf16).
+head (151,936 x 2048), which cuBLAS streamed slower than these tiles
+(H100: 219 against 199 us alone), moved off it: TPOT -17 us (fp8 and
+bf16). Other one-row products of K <= 4096 past 5120 rows (a dense MLP's
+gate/up) take them on that evidence alone, unmeasured.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def skinny_gemm_applies(
     """Whether ``skinny_gemm`` takes (and beats cuBLAS on) this product
     [rows, k] @ [n, k].T; ``with_pdl``: whether it would launch with PDL
     (:func:`~.pdl.pdl`). One row on whole-K tiles takes any ``n``: in a
-    decode step it won at 5120 (q/k/v) and at 151,936 (the head, below)."""
+    decode step it won at 5120 (q/k/v) and at 151,936 (the head, above)."""
     if rows == 1 and with_pdl:
         max_n = n if k <= _WHOLE_K_MAX else SKINNY_MAX_N_ONE_ROW
     else:

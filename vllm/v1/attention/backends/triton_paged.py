@@ -48,7 +48,7 @@ from vllm.model_executor.kernels.common.checks import check_contiguous
 from vllm.model_executor.kernels.common.device_info import num_sms
 from vllm.model_executor.kernels.common.l2_prefetch import (
     l2_prefetch,
-    prefetch_chunk,
+    prefetch_share,
     prefetchable,
 )
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
@@ -342,14 +342,14 @@ def _combine_splits_kernel(
     PDL: tl.constexpr,
     prefetch_ptr,  # PREFETCH: the bytes of a weight the next kernel reads
     prefetch_bytes,
-    prefetch_chunk,  # bytes a program prefetches
+    prefetch_per_program,
     PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if PREFETCH:  # while the attention runs (see :mod:`~.l2_prefetch`)
-        start = (t * num_heads + h) * prefetch_chunk
-        l2_prefetch(prefetch_ptr, prefetch_bytes, start, prefetch_chunk)
+        start = (t * num_heads + h) * prefetch_per_program
+        l2_prefetch(prefetch_ptr, prefetch_bytes, start, prefetch_per_program)
     pdl_wait(PDL)
     row = (t * num_heads + h) * NUM_SPLITS
     s = tl.arange(0, NUM_SPLITS)
@@ -469,6 +469,10 @@ def triton_paged_attention(
         )
     if new_kv is not None:
         _check_new_kv(new_kv, q, kv_heads, max_query_len)
+    if prefetch is not None and prefetch.device != q.device:
+        raise ValueError(
+            f"prefetch: expected a tensor on {q.device}, got {prefetch.device}"
+        )
     # A step with prefill may be a CUDA graph padded past its last request:
     # no program writes those rows, and zeros keep them finite (garbage could
     # be NaN, and NaN rows all route to the same experts).
@@ -551,6 +555,9 @@ def triton_paged_attention(
     if splits > 1:
         warm = prefetch if prefetch is not None and prefetchable(prefetch) else None
         warm_bytes = (out if warm is None else warm).view(-1).view(torch.uint8)
+        per_program = 0
+        if warm is not None:
+            per_program = prefetch_share(len(warm_bytes), tokens * heads)
         _combine_splits_kernel[(tokens, heads)](
             out,
             partial,
@@ -563,8 +570,8 @@ def triton_paged_attention(
             NUM_SPLITS=splits,
             PDL=launch_pdl,
             prefetch_ptr=warm_bytes,
-            prefetch_bytes=warm_bytes.numel(),
-            prefetch_chunk=prefetch_chunk(warm_bytes.numel(), tokens * heads),
+            prefetch_bytes=len(warm_bytes),
+            prefetch_per_program=per_program,
             PREFETCH=warm is not None,
             launch_pdl=launch_pdl,
         )
