@@ -7,7 +7,9 @@ combine lets it start (PDL starts one kernel early, not two). So the
 combine's programs, which start while the attention runs, issue bulk L2
 prefetches of that weight before their PDL wait, and the projection reads
 it from L2. Qwen3-30B-A3B at batch 1 (H100, one lease): TPOT fp8 2.345 /
-2.341 -> 2.291 / 2.289 ms, bf16 2.835 -> 2.783.
+2.341 -> 2.291 / 2.289 ms, bf16 2.835 -> 2.783. Not yet timed at the
+other batches that split KV (up to 32 requests there), where more
+programs share the weight.
 
 Only weights (no kernel of the step writes them: prefetching before the
 wait keeps the PDL contract, :mod:`~.pdl`) of at most half the L2, so that
