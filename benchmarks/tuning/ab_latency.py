@@ -45,7 +45,8 @@ def run_latency(
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [
             sys.executable, str(tree / "benchmarks" / "benchmark_latency.py"),
-            "--preset", args.preset, "--input-len", str(args.input_len),
+            "--preset", args.preset, "--batch-size", str(args.batch_size),
+            "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--num-iters", str(args.num_iters),
             "--output-json", result.name,
         ]  # fmt: skip
@@ -79,6 +80,7 @@ def main() -> None:
                         choices=["none", "fp8", "w4a16", "w4a8"])  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=2)
@@ -99,7 +101,7 @@ def main() -> None:
                     tpot = row["tpot_ms"]
                     print(f"{quantization} {args.trees[i]}: TPOT {tpot:.3f} ms")
     device = runs[(args.quantization[0], 0)][0]["device"]
-    print(f"\ndevice: {device}; {args.preset}, batch 1, "
+    print(f"\ndevice: {device}; {args.preset}, batch {args.batch_size}, "
           f"{args.input_len} in / {args.output_len} out")  # fmt: skip
     print("| quantization | tree | TPOT ms (each run) | best | best / first tree's "
           "| best / bound |\n|---|---|---|--:|--:|--:|")  # fmt: skip

@@ -28,9 +28,14 @@ def test_an_archive_and_a_directory_in_turn(tmp_path):
         for part in ("vllm", "benchmarks"):
             tar.add(ROOT / part, arcname=part)
     table = tmp_path / "ab.json"
-    run = ab_latency(str(archive), ".", "--repeats", "2", "--output-json", str(table))
+    run = ab_latency(
+        str(archive), ".", "--repeats", "2", "--batch-size", "2",
+        "--output-json", str(table),
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     runs = json.loads(table.read_text())
+    assert all(row["batch_size"] == 2 for entry in runs for row in entry["runs"])
+    assert "tiny, batch 2, 8 in / 4 out" in run.stdout
     assert [(entry["tree"], len(entry["runs"])) for entry in runs] == [
         (str(archive), 2),
         (".", 2),
