@@ -134,8 +134,8 @@ def _no_split_combine() -> None:
 def _one_kernel_more() -> None:
     real = attention.triton_paged_attention
 
-    def with_extra(*args: Any) -> torch.Tensor:
-        out = real(*args)
+    def with_extra(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
         rms_norm(out, out[0], 1e-6)  # a norm of the output, unused
         return out
 

@@ -235,10 +235,10 @@ def test_the_gpu_paths_fused_kv_store_changes_no_token(engine_factory, monkeypat
         stored.append(kwargs["kv_cache"] is not None)
         return real_store(*args, **kwargs)
 
-    def attend(*args):
+    def attend(*args, **kwargs):
         max_query_len, new_kv = args[6], args[-1]
         attended.append((max_query_len == 1, new_kv is not None))
-        return real_attend(*args)
+        return real_attend(*args, **kwargs)
 
     for module in (qwen3_moe, attention):
         monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)
@@ -280,9 +280,9 @@ def test_a_step_reading_keys_it_stores_leaves_decode_attention(
     attended: list[tuple[int, bool]] = []
     real = attention.triton_paged_attention
 
-    def attend(*args):
+    def attend(*args, **kwargs):
         attended.append((args[6], args[-1] is not None))  # max_query_len, fused
-        return real(*args)
+        return real(*args, **kwargs)
 
     for module in (qwen3_moe, attention):
         monkeypatch.setattr(module, "runs_gpu_kernels", lambda t: True)

@@ -87,7 +87,7 @@ class Attention(nn.Module):
             meta.max_query_len,
             self.scale,
             new_kv,
-            prefetch,
+            prefetch=prefetch,
         )
 
     @staticmethod
