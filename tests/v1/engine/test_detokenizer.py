@@ -32,6 +32,18 @@ def test_stop_strings_straddling_pieces_cut_the_text(tokenizer):
     assert detok.flush() == ""
 
 
+def test_a_stop_string_at_the_start_emits_nothing(tokenizer):
+    """Text shorter than the hold-back (the longest stop string less one)
+    stays held: none of a stop string that opens the output leaks."""
+    ids = tokenizer("Observation: done")["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, stop=["Observation:"])
+    pieces = [detok.update([token]) for token in ids]
+    assert detok.stop_string == "Observation:" and detok.text == ""
+    assert pieces == [""] * len(ids) and detok.flush() == ""
+    held = IncrementalDetokenizer(tokenizer, stop=["Observation:"])
+    assert held.update(ids[:2]) == "" and held.flush() == held.text != ""
+
+
 def test_a_stop_string_counts_only_past_the_first_min_tokens(tokenizer):
     ids = tokenizer("ab ab ab ab")["input_ids"]
     first_ab = len(tokenizer("ab")["input_ids"])

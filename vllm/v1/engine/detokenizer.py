@@ -108,7 +108,7 @@ class IncrementalDetokenizer:
             at, self.stop_string = min(hits)  # the first; the shortest at a tie
             kept = len(self.stop_string) if self.include_stop else 0
             return self._emit(text[: at + kept])
-        return self._emit(text[: len(text) - hold])
+        return self._emit(text[: max(len(text) - hold, 0)])
 
     def _window_text(self) -> str:
         """Text of the tokens after ``_read_offset``, decoded after their
