@@ -73,6 +73,14 @@ def test_masks_allow_exactly_the_tokens_that_continue_a_choice(tokenizer, manage
     assert manager.token_masks([None, None], torch.device("cpu")) is None
 
 
+def test_a_choice_past_the_bmp_matches_its_utf8_bytes(tokenizer, manager):
+    choice = "ok 😀 é"
+    matcher = manager.matcher(StructuredOutputsParams(choice=[choice, "no"]))
+    for token in tokenizer(choice)["input_ids"]:
+        assert matcher.accept_token(token), token
+    assert matcher.accept_token(tokenizer.eos_token_id)  # and it ends there
+
+
 @pytest.mark.parametrize(
     ("spec", "error"),
     [

@@ -144,8 +144,11 @@ class StructuredOutputManager:
         if params.regex is not None:
             return "regex", params.regex, grammar.from_regex, compiler.compile_regex
         if params.choice is not None:
-            # JSON string literals are EBNF's (escapes included)
-            ebnf = "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
+            # JSON string literals are EBNF's (escapes included); characters
+            # past the BMP as themselves: the parser reads each half of a
+            # \u surrogate pair as a character of its own
+            literals = (json.dumps(c, ensure_ascii=False) for c in params.choice)
+            ebnf = "root ::= " + " | ".join(literals)
             return "choice", ebnf, grammar.from_ebnf, compiler.compile_grammar
         assert params.grammar is not None  # (exactly one is set)
         return "grammar", params.grammar, grammar.from_ebnf, compiler.compile_grammar
