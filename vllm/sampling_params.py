@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's int64 range
+GREEDY_BELOW = 1e-5  # temperatures below it sample greedily (vLLM's bound)
 
 
 @dataclass
@@ -58,7 +60,9 @@ class StructuredOutputsParams:
 @dataclass
 class SamplingParams:
     """``n`` sequences are generated from the prompt (the engine runs each
-    as a request of its own: :meth:`fan_out`). ``temperature`` 0 is greedy.
+    as a request of its own: :meth:`fan_out`). ``temperature`` 0 is greedy,
+    and so is any below ``GREEDY_BELOW`` (vLLM's bound: dividing logits by
+    it would overflow fp32, and sampling there is greedy in effect).
     ``top_k`` 0 and ``top_p`` 1 keep every
     token; ``min_p`` drops tokens below that fraction of the most likely
     one's probability. ``seed`` makes a request's samples reproducible
@@ -108,7 +112,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = (
             ("n", self.n >= 1, ">= 1", self.n),
-            ("temperature", self.temperature >= 0, ">= 0", self.temperature),
+            (
+                "temperature",
+                0 <= self.temperature < math.inf,
+                "a finite value >= 0",
+                self.temperature,
+            ),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]", self.top_p),
             ("top_k", self.top_k >= 0, ">= 0 (0: all tokens)", self.top_k),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]", self.min_p),
@@ -184,7 +193,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -30,6 +30,18 @@ def test_greedy_is_the_argmax_with_logprobs():
         assert list(token.top_logprobs) == row.topk(2).indices.tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 9.9e-6])
+def test_temperatures_below_the_greedy_bound_are_greedy(temperature):
+    """Dividing the logits by them overflows fp32 (NaN probabilities drew
+    token 0): below vLLM's bound they take the argmax, seed or not."""
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50) * 8
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    out = sample(logits, [params] * 4, [torch.Generator().manual_seed(3)] * 4)
+    assert [t.token_id for t in out] == logits.argmax(dim=-1).tolist()
+
+
 def test_logprobs_only_for_the_rows_that_ask():
     torch.manual_seed(2)
     logits = torch.randn(4, 30)
@@ -90,6 +102,8 @@ def test_samples_follow_the_filtered_distribution():
     [
         ("n", 0),
         ("temperature", -1.0),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
         ("top_p", 0.0),
         ("top_k", -1),
         ("min_p", 1.5),
