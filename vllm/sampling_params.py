@@ -76,9 +76,10 @@ class SamplingParams:
     output, and ``presence_penalty`` is subtracted from every token that
     the output holds, ``frequency_penalty`` times the number of times it
     does. A request stops after ``max_tokens``, at a token of
-    ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; both kept
-    in the output), or when its text ends in a string of ``stop`` (cut
-    off, unless ``include_stop_str_in_output``); not before ``min_tokens``
+    ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``; kept in
+    the token ids, out of the text unless ``include_stop_str_in_output``),
+    or when its text ends in a string of ``stop`` (cut off, unless
+    ``include_stop_str_in_output``); not before ``min_tokens``
     (vLLM's): until then its stop tokens and EOS cannot be sampled, and a
     stop string counts only if it ends past the text of its first
     ``min_tokens`` tokens. The text leaves special tokens out unless

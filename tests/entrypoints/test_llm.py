@@ -1,6 +1,7 @@
 """``LLM.generate`` on the tiny checkpoint with its locally trained
 tokenizer (fp32, CPU)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -153,6 +154,15 @@ def test_stop_reason_names_the_stop_string_or_token(llm):
     out = stopped.outputs[0]
     assert out.token_ids == tokens[: end + 1] and out.finish_reason == "stop"
     assert out.stop_reason == tokens[end]
+
+    def text_of(n: int) -> str:  # the text of the first n greedy tokens
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return engine.generate("def f(x):", params)[0].outputs[0].text
+
+    # the stop token's text is left out unless asked for (vLLM's)
+    assert out.text == text_of(end) != text_of(end + 1)
+    kept = dataclasses.replace(by_token, include_stop_str_in_output=True)
+    assert engine.generate("def f(x):", kept)[0].outputs[0].text == text_of(end + 1)
     assert text
     stop = text[len(text) // 2 :][:2]
     by_text = SamplingParams(temperature=0, max_tokens=16, stop=["\x00", stop])

@@ -221,7 +221,8 @@ class LLM:
             still = []
             for request_id, detok in active:
                 request = by_id[request_id]
-                detok.update(request.output_token_ids[len(detok.token_ids) :])
+                new = request.output_token_ids[len(detok.token_ids) :]
+                detok.update(new, request.finish_reason == "stop")
                 if detok.stopped:  # also when the last allowed token completed it
                     self.engine.finish_request(request_id, "stop")
                     request.finish_reason = "stop"

@@ -154,6 +154,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": [5, 100000]}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
     (
         "completions",
         {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},

@@ -44,6 +44,16 @@ def test_a_stop_string_at_the_start_emits_nothing(tokenizer):
     assert held.update(ids[:2]) == "" and held.flush() == held.text != ""
 
 
+def test_the_token_that_ended_the_request_stays_out_of_the_text(tokenizer):
+    ids = tokenizer("ab cd")["input_ids"]
+    dropped = IncrementalDetokenizer(tokenizer)
+    assert dropped.update(ids, stop_terminated=True) + dropped.flush() == (
+        tokenizer.decode(ids[:-1])
+    )
+    kept = IncrementalDetokenizer(tokenizer, include_stop=True)
+    assert kept.update(ids, stop_terminated=True) + kept.flush() == "ab cd"
+
+
 def test_a_stop_string_counts_only_past_the_first_min_tokens(tokenizer):
     ids = tokenizer("ab ab ab ab")["input_ids"]
     first_ab = len(tokenizer("ab")["input_ids"])

@@ -286,7 +286,7 @@ class OpenAIServing:
                 seed=request.seed,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
-                stop=request.stop or [],
+                stop=request.stop if request.stop is not None else [],
                 stop_token_ids=request.stop_token_ids or [],
                 ignore_eos=request.ignore_eos,
                 include_stop_str_in_output=request.include_stop_str_in_output,

@@ -276,7 +276,7 @@ class AsyncLLM:
             stop_reason: int | str | None = output.stop_token
             text = None
             if tracked.detokenizer is not None:
-                text = tracked.detokenizer.update(new)
+                text = tracked.detokenizer.update(new, finish_reason == "stop")
                 if tracked.detokenizer.stopped:
                     self._abort([output.request_id], "stop")
                 elif finish_reason is not None:

@@ -14,8 +14,9 @@ token), and ``_read_offset:`` are the new ones. The window moves on once its
 text ends in a whole character, so a step costs O(window), not O(sequence).
 A stop string counts only if it ends past the text of the first
 ``min_tokens`` tokens (vLLM's rule); the text ends before it, or after it
-with ``include_stop_str_in_output``. Special tokens are left out of the
-text unless ``skip_special_tokens`` is False.
+with ``include_stop_str_in_output``; so does the text of a token that
+ended the request (EOS, a stop token id). Special tokens are left out of
+the text unless ``skip_special_tokens`` is False.
 """
 
 from __future__ import annotations
@@ -68,10 +69,15 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_string is not None
 
-    def update(self, token_ids: list[int]) -> str:
-        """Add tokens; returns the new text (possibly empty)."""
+    def update(self, token_ids: list[int], stop_terminated: bool = False) -> str:
+        """Add tokens; returns the new text (possibly empty).
+        ``stop_terminated``: the last of them ended the request (EOS, a stop
+        token id, a finished grammar); as in vLLM its text is left out
+        unless ``include_stop_str_in_output``."""
         if self.stopped:
             return ""
+        if stop_terminated and not self.include_stop:
+            token_ids = token_ids[:-1]
         self.token_ids.extend(token_ids)
         new_text = self._window_text()
         if new_text and not new_text.endswith(_INCOMPLETE):
