@@ -61,7 +61,7 @@ def test_vllm_keeps_only_the_eos_ids_and_a_directory_is_read(tmp_path):
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"temperature": -1}, "temperature: expected >= 0"),
+        ({"temperature": -1}, "temperature: expected a finite value >= 0"),
         ({"top_p": "high"}, "top_p: expected a number, got 'high'"),
         ({"top_k": 2.5}, "top_k: expected a whole number, got 2.5"),
         ({"eos_token_id": [1, "2"]}, "eos_token_id: expected token ids"),
