@@ -56,6 +56,7 @@ def test_help_lists_every_flag_with_its_default(capsys):
         (["--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call"),
         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
+        (["--port", "99999"], "--port: expected a port in [0, 65535], got 99999"),
     ],
 )
 def test_bad_flags_are_refused_before_loading(capsys, flags, message):
@@ -106,6 +107,20 @@ def test_an_engine_refusal_is_a_usage_error(capsys, monkeypatch):
         main(["serve", "/some/model", "--max-model-len", "4096"])
     assert exit_info.value.code == 2
     assert "max_model_len: expected <= 512" in capsys.readouterr().err
+
+
+def test_a_chat_template_that_is_no_file_nor_template_is_refused(capsys, tmp_path):
+    """A mistyped path is not taken as the template's text (every prompt
+    would be that path)."""
+    model = tmp_path / "tiny"
+    build_tiny_checkpoint(model)
+    missing = str(tmp_path / "chat.jinja")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(model), "--chat-template", missing])
+    assert exit_info.value.code == 2
+    assert f"--chat-template: expected a file or a Jinja template, got '{missing}'" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_all2all_choices_are_the_layers():

@@ -222,6 +222,19 @@ def test_bad_request_names_its_field(server, route, body, status, param):
     assert error["type"] == "invalid_request_error"
 
 
+def test_an_unknown_structured_outputs_field_is_named(server):
+    body = {"model": MODEL, "prompt": "x", "structured_outputs": {"regexx": "a"}}
+    r = httpx.post(
+        server.url_for("v1", "completions"),
+        content=json.dumps(body),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("structured_outputs: expected fields of [")
+    assert message.endswith("got ['regexx']") and "'regex'" in message
+
+
 def test_malformed_json_is_a_400(server):
     r = httpx.post(
         server.url_for("v1", "completions"),

@@ -473,6 +473,8 @@ def test_a_failed_engine_leaves_the_manager_locked(
         EngineCore(EngineConfig(checkpoint, max_model_len=4096))  # 512 positions
     with pytest.raises(ValueError, match="max_num_seqs: expected >= 1, got 0"):
         EngineCore(EngineConfig(checkpoint, max_num_seqs=0))
+    with pytest.raises(ValueError, match="max_model_len: expected >= 1, got 0"):
+        EngineCore(EngineConfig(checkpoint, max_model_len=0))  # not "unset"
     with pytest.raises(ValueError, match="model: expected a checkpoint directory"):
         EngineCore(EngineConfig(tmp_path / "absent", device="cpu"))
     assert manager.is_locked()

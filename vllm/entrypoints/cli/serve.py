@@ -45,7 +45,7 @@ def add_serve_parser(
     )
     parser.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=8000,
         help="Port to listen on (default: %(default)s).",
     )
@@ -212,6 +212,13 @@ def add_serve_parser(
         help="uvicorn's log level (default: %(default)s).",
     )
     parser.set_defaults(dispatch=cmd_serve, parser=parser)
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:  # uvicorn would wrap it (99999 -> 34463)
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {port}")
+    return port
 
 
 def check_parallelism(args: argparse.Namespace) -> str | None:

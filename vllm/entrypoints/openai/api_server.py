@@ -259,9 +259,15 @@ def build_async_engine(
     if tokenizer is None:
         logger.warning("No tokenizer in %s: serving token ids only", args.model)
     elif args.chat_template is not None:  # a file, or the template itself
-        path = Path(args.chat_template)
-        is_file = len(args.chat_template) < 4096 and path.is_file()
-        tokenizer.chat_template = path.read_text() if is_file else args.chat_template
+        template = args.chat_template
+        path = Path(template)
+        is_file = len(template) < 4096 and path.is_file()
+        if not is_file and not any(c in template for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template: expected a file or a Jinja template, got "
+                f"{template!r} (no such file)"
+            )
+        tokenizer.chat_template = path.read_text() if is_file else template
     defaults = load_generation_defaults(args.model, args.generation_config)
     if defaults.sampling:
         logger.warning(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -326,9 +326,11 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     if given is not None:
         try:
             return StructuredOutputsParams(**given)
-        except TypeError as e:  # an unknown field
+        except TypeError:  # an unknown field
+            known = [f.name for f in fields(StructuredOutputsParams)]
+            unknown = sorted(set(given) - set(known))
             raise OpenAIError(
-                f"structured_outputs: {e}".replace("__init__() ", ""),
+                f"structured_outputs: expected fields of {known}, got {unknown}",
                 param="structured_outputs",
             ) from None
     if response_format is None or response_format.type == "text":

@@ -121,7 +121,8 @@ class EngineCore:
         self.device = torch.device(config.device)
         # Sizes are checked before minutes of loading.
         positions = load_hf_config(config.model).get("max_position_embeddings")
-        self.max_model_len = config.max_model_len or positions or 4096
+        given = config.max_model_len
+        self.max_model_len = given if given is not None else positions or 4096
         if positions is not None and self.max_model_len > positions:
             raise ValueError(
                 f"max_model_len: expected <= the model's max_position_embeddings="
