@@ -158,6 +158,14 @@ def test_choices_it_cannot_honour_are_named(tool_server, server):
     call = {"id": "c", "type": "function", "function": function}
     broken = {"role": "assistant", "content": "", "tool_calls": [call]}
     assert _status(tool_server, messages=[*ASK, broken]) == (400, "messages")
+    # a forced call's grammar is the tools' schemas: a bad one is the tools'
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        assert _status(tool_server, messages=ASK, tools=bad, tool_choice=choice) == (
+            400,
+            "tools",
+        )
     for depth in (600, 100_000):  # too deep to copy for the template, to parse
         function["arguments"] = "[" * depth + "]" * depth
         assert _status(tool_server, messages=[*ASK, broken]) == (400, "messages")

@@ -236,6 +236,8 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = None if forced else self.reasoning_parser
         prompt = await off_the_loop(self.chat_prompt_ids, request.messages, request)
         renames = {"prompt": "messages", **structured_renames(request)}
+        if forced is not None:  # its grammar is the tools' parameter schemas
+            renames["structured_outputs.json"] = "tools"
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens
