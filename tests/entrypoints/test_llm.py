@@ -173,7 +173,8 @@ def test_stop_reason_names_the_stop_string_or_token(llm):
 
 def test_chat_renders_the_template_and_generates(llm):
     engine, _ = llm
-    tokenizer = engine.tokenizer
+    tokenizer = engine.get_tokenizer()  # vLLM's accessor
+    assert tokenizer is engine.tokenizer and tokenizer.chat_template
     conversation = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},

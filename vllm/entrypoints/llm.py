@@ -58,6 +58,11 @@ class LLM:
         self.tokenizer = get_tokenizer(model)
         self._request_ids = itertools.count()
 
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None for a checkpoint without one:
+        prompts are token ids then), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without sampling params: the checkpoint's
         recommended values over SamplingParams' defaults."""
