@@ -272,6 +272,8 @@ def test_bad_prompts_name_their_index(llm):
         engine.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="sampling_params: expected one per prompt"):
         engine.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match=r"one per prompt \(1\), got 0"):
+        engine.generate("a", [])  # not the defaults
     # The engine still serves.
     (ok,) = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
     assert len(ok.outputs[0].token_ids) == 3 and ok.outputs[0].text is not None

@@ -165,7 +165,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Each prompt's requests into the engine, or none of them (errors
         name ``name[index]``), then all of them run."""
-        params = sampling_params or self.get_default_sampling_params()
+        params = (
+            self.get_default_sampling_params()
+            if sampling_params is None
+            else sampling_params
+        )
         per_prompt = params if isinstance(params, list) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(
