@@ -73,7 +73,7 @@ from vllm.model_executor.layers.fused_moe.experts import (
 )
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEModularKernel
 from vllm.model_executor.layers.quantization.utils import marlin_utils
-from vllm.v1.attention.backends import triton_paged
+from vllm.v1.attention.backends import split_kv
 
 PRESET, LAYERS, TOPK = "qwen3-30b-a3b", 48, 8
 
@@ -128,7 +128,7 @@ def _no_split_combine() -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    triton_paged._combine_splits_kernel = NoLaunch()
+    split_kv._combine_splits_kernel = NoLaunch()
 
 
 def _one_kernel_more() -> None:

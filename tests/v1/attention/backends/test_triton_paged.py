@@ -1,33 +1,21 @@
 """The Triton paged attention against the plain-PyTorch one (its oracle), on
 CPU tensors under ``TRITON_INTERPRET=1``, or on CUDA where there is one."""
 
-import json
-
 import pytest
 import torch
 
-from tests.model_executor.kernels.grouped_gemm.utils import (
-    COMPILED,
-    asm_for_sm90,
-    compiled_in_own_process,
-    sass,
-)
 from vllm.model_executor.kernels.common.l2_prefetch import prefetchable
 from vllm.model_executor.kernels.common.pdl import pdl
 from vllm.model_executor.kernels.common.qk_norm_rope import QKNormRope, qk_norm_rope_
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.v1.attention.backends.split_kv import num_kv_splits
 from vllm.v1.attention.backends.torch_paged import (
     PagedAttentionMetadata,
     paged_attention,
     write_kv_cache,
 )
-from vllm.v1.attention.backends.triton_paged import (
-    DecodeKV,
-    _combine_splits_kernel,
-    num_kv_splits,
-    triton_paged_attention,
-)
+from vllm.v1.attention.backends.triton_paged import DecodeKV, triton_paged_attention
 from vllm.v1.core.block_pool import BlockPool
 
 
@@ -292,34 +280,6 @@ def test_bf16_qwen3_heads_match_torch_on_gpu(decode):
     ref = paged_attention(q.float(), cache.float(), meta, 128**-0.5)
     out = _run(q, cache, meta, 128**-0.5).float()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-
-
-MODULE = "tests.v1.attention.backends.test_triton_paged"
-
-
-def compile_kernels() -> None:
-    """The split combine built for sm_90 with and without a prefetch (in a
-    process of its own, by the test below): its L2 bulk prefetches
-    (``UBLKPF``) before and after the PDL wait (``ACQBULK``)."""
-    for prefetch in (True, False):
-        consts = dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=32, PDL=True,
-                      PREFETCH=prefetch)  # fmt: skip
-        pointers = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "prefetch_ptr": "*u8"}
-        aligned = ("stride_ot", "stride_oh")
-        cubin = asm_for_sm90(_combine_splits_kernel, consts, pointers, aligned, 4)
-        before, wait, after = sass(cubin["cubin"]).partition("ACQBULK")
-        print(COMPILED, json.dumps([prefetch, wait, before.count("UBLKPF"),
-                                    after.count("UBLKPF")]))  # fmt: skip
-
-
-def test_the_combine_prefetches_before_its_pdl_wait():
-    """While the attention runs, i.e. before the combine's wait; none
-    after it, and none without a weight to prefetch."""
-    builds = compiled_in_own_process(MODULE)
-    assert [prefetch for prefetch, *_ in builds] == [True, False]
-    for prefetch, wait, before_wait, after_wait in builds:
-        assert wait == "ACQBULK" and after_wait == 0
-        assert (before_wait > 0) == prefetch
 
 
 @pytest.mark.gpu

@@ -13,8 +13,9 @@ longest: program ``p`` finds its request by a binary search over
 Decode batches with few requests would leave most SMs idle (one program per
 request and KV head), so the launcher splits each request's KV range over
 ``num_splits`` programs that write partial outputs and log-sum-exps, and a
-second kernel combines them. The split count depends only on host-known
-sizes (requests, heads, longest query), so a captured CUDA graph keeps it.
+second kernel (:mod:`.split_kv`) combines them. The split count depends
+only on host-known sizes (requests, heads, longest query), so a captured
+CUDA graph keeps it.
 Combining in the last split to finish instead (an atomic counter per token
 and KV head) took the kernel from 4.6 to 13.1 us per layer at batch 1 on
 the H200 (Qwen3-30B-A3B, CUDA-graph replay), against 2.1 us for the second
@@ -45,12 +46,6 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.kernels.common.checks import check_contiguous
-from vllm.model_executor.kernels.common.device_info import num_sms
-from vllm.model_executor.kernels.common.l2_prefetch import (
-    l2_prefetch,
-    prefetch_share,
-    prefetchable,
-)
 from vllm.model_executor.kernels.common.pdl import pdl, pdl_wait
 from vllm.model_executor.kernels.common.qk_norm_rope import (
     QKNormRope,
@@ -59,8 +54,8 @@ from vllm.model_executor.kernels.common.qk_norm_rope import (
     norm_rope_heads,
     rope_cos_sin,
 )
+from vllm.v1.attention.backends.split_kv import combine_splits, num_kv_splits
 
-_MAX_SPLITS = 32
 _KV_TILE = 64  # tokens per KV tile (several cache blocks)
 _PREFILL_ROWS = 64  # (token, head) rows per program in batches with prefill
 
@@ -328,61 +323,6 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit
-def _combine_splits_kernel(
-    out_ptr,  # [T, H, D]
-    partial_ptr,  # [T, H, NUM_SPLITS, D] fp32
-    lse_ptr,  # [T, H, NUM_SPLITS] fp32, base 2
-    stride_ot,
-    stride_oh,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
-    prefetch_ptr,  # PREFETCH: the bytes of a weight the next kernel reads
-    prefetch_bytes,
-    prefetch_per_program,
-    PREFETCH: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if PREFETCH:  # while the attention runs (see :mod:`~.l2_prefetch`)
-        start = (t * num_heads + h) * prefetch_per_program
-        l2_prefetch(prefetch_ptr, prefetch_bytes, start, prefetch_per_program)
-    pdl_wait(PDL)
-    row = (t * num_heads + h) * NUM_SPLITS
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, D_PAD)
-    lse = tl.load(lse_ptr + row + s)
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
-    # (their partials are never written; loading every split's with the
-    # log-sum-exps instead, one round trip, cost 3.95 against 2.44 us a
-    # layer on the H100: the bytes of 32 splits)
-    part = tl.load(
-        partial_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=(weight > 0.0)[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
-
-
-def num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device
-) -> int:
-    """Split-KV programs per (request, KV head): enough to give every SM a
-    program in decode batches; none once prefill blocks fill the GPU."""
-    if max_query_len > 1:
-        return 1
-    wanted = -(-num_sms(device) // (num_seqs * num_kv_heads))
-    return min(_MAX_SPLITS, 1 << (wanted - 1).bit_length())
-
-
 def _check_new_kv(
     new_kv: DecodeKV, q: torch.Tensor, kv_heads: int, max_query_len: int
 ) -> None:
@@ -553,26 +493,5 @@ def triton_paged_attention(
         launch_pdl=launch_pdl,
     )
     if splits > 1:
-        warm = prefetch if prefetch is not None and prefetchable(prefetch) else None
-        warm_bytes = (out if warm is None else warm).view(-1).view(torch.uint8)
-        per_program = 0
-        if warm is not None:
-            per_program = prefetch_share(len(warm_bytes), tokens * heads)
-        _combine_splits_kernel[(tokens, heads)](
-            out,
-            partial,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            heads,
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            NUM_SPLITS=splits,
-            PDL=launch_pdl,
-            prefetch_ptr=warm_bytes,
-            prefetch_bytes=len(warm_bytes),
-            prefetch_per_program=per_program,
-            PREFETCH=warm is not None,
-            launch_pdl=launch_pdl,
-        )
+        combine_splits(out, partial, lse, prefetch, launch_pdl)
     return out.view(tokens, heads * head_dim)
