@@ -80,13 +80,12 @@ def skinny_gemm_applies(
     [rows, k] @ [n, k].T; ``with_pdl``: whether it would launch with PDL
     (:func:`~.pdl.pdl`). One row on whole-K tiles takes any ``n``: in a
     decode step it won at 5120 (q/k/v) and at 151,936 (the head, above)."""
-    if rows == 1 and with_pdl:
-        max_n = n if k <= _WHOLE_K_MAX else SKINNY_MAX_N_ONE_ROW
-    else:
-        max_n = SKINNY_MAX_N
+    one_row = rows == 1 and with_pdl
+    whole_k = one_row and skinny_tiles(rows, k, norm=False)[2]
+    max_n = SKINNY_MAX_N_ONE_ROW if one_row else SKINNY_MAX_N
     return (
         0 < rows <= SKINNY_MAX_ROWS
-        and n <= max_n
+        and (whole_k or n <= max_n)
         and dtype in (torch.bfloat16, torch.float16)
     )
 
